@@ -1,0 +1,303 @@
+"""The checkpoint manager: async saves, atomic commits, retention, restore.
+
+    with CheckpointManager('/ckpt', CheckpointOptions(keep=3)) as mgr:
+      for step in range(start, steps):
+        state = train_step(state, batch)
+        if mgr.should_save(step + 1):
+          mgr.save(step + 1, state, run_state={'data_position': step + 1})
+    state, run_state = mgr.restore(mgr.latest_step(), target=abstract_state)
+
+`save` returns once the state is copied to host memory; writing, fsyncing, committing and
+deleting old checkpoints run on one background thread. One save is in flight at a time: the next
+`save` waits for the previous one. An error in the background is stored and raised in the caller's
+thread by the next `save`, `wait_until_finished` or `close`; the checkpoint it was writing is never
+committed. The manager does not import the trainer: any pytree of arrays can be saved.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxckpt.checkpoint import layout, manifest
+from jaxckpt.checkpoint.policy import RetentionPolicy, SavePolicy
+from jaxckpt.checkpoint.staging import HostStager
+from jaxckpt.errors import CheckpointError, UsageError
+
+MODES = ('auto', 'async', 'sync')
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+  """How and when a manager saves. Zero turns a cadence or retention rule off."""
+  every_steps: int = 0          # save when step % every_steps == 0
+  every_secs: float = 0.0       # save when this many seconds passed since the last save
+  mode: str = 'auto'            # async: stage then write in the background; sync: write inline
+  keep: int = 3                 # newest checkpoints kept (0 keeps all)
+  keep_every: int = 0           # steps divisible by this are kept forever
+  verify_checksums: bool = True  # check every file's CRC before restoring it
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise UsageError('E-CONFIG-004', f'checkpoint mode {self.mode!r} is not one of {MODES}',
+                       'use --checkpoint_mode=auto|async|sync')
+    for field in ('every_steps', 'every_secs', 'keep', 'keep_every'):
+      if getattr(self, field) < 0:
+        raise UsageError('E-CONFIG-004', f'checkpoint {field}={getattr(self, field)} is negative',
+                         'use 0 to turn it off')
+
+
+@dataclasses.dataclass(frozen=True)
+class CommitInfo:
+  """What one committed save cost; handed to `on_commit` callbacks."""
+  step: int
+  path: Path
+  bytes: int
+  seconds_blocked: float    # the caller's wait: previous save + device->host copy
+  seconds_to_commit: float  # from the call of save() to the manifest being durable
+  deleted: tuple[int, ...]  # older steps removed by retention after this commit
+
+
+def leaf_name(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator='/')
+
+
+def named_leaves(tree) -> dict[str, Any]:
+  """{'params/h/0/attn/c_attn/kernel': leaf, ...} in tree order."""
+  return {leaf_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _spec(x) -> str | None:
+  spec = getattr(getattr(x, 'sharding', None), 'spec', None)
+  return None if spec is None else str(tuple(spec))
+
+
+def tensor_table(leaves: Mapping[str, Any]) -> list[dict[str, Any]]:
+  return [{'name': n, 'shape': list(np.shape(x)), 'dtype': str(np.dtype(x.dtype)),
+           'spec': _spec(x)} for n, x in leaves.items()]
+
+
+def _available_host_memory() -> int:
+  try:
+    return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+  except (ValueError, OSError):
+    return 0
+
+
+class CheckpointManager:
+  """Saves and restores checkpoints of one run under `directory`.
+
+  Args:
+    directory: where `step_<n>/` directories live; created if missing.
+    options: cadence, mode and retention.
+    clock: seconds as a float; injected by tests for time-based cadence.
+    on_commit: called (on the background thread) with a `CommitInfo` after each commit.
+    writer: False for readers (evaluators, inspection): they never create, clean or delete.
+  """
+
+  def __init__(self, directory: str | os.PathLike, options: CheckpointOptions | None = None, *,
+               clock: Callable[[], float] = time.monotonic,
+               on_commit: Callable[[CommitInfo], None] | None = None, writer: bool = True):
+    self.directory = Path(directory)
+    self.options = options or CheckpointOptions()
+    self._clock = clock
+    self._on_commit = on_commit
+    self._writer = writer
+    self._save_policy = SavePolicy(self.options.every_steps, self.options.every_secs)
+    self._retention = RetentionPolicy(self.options.keep, self.options.keep_every)
+    self._stager = HostStager()
+    self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+    self._pending: concurrent.futures.Future | None = None
+    self._lock = threading.Lock()
+    self._last_save_step = -1
+    self._last_save_time = clock()
+    self.removed_debris: list[Path] = []
+    if writer:
+      self.directory.mkdir(parents=True, exist_ok=True)
+      self.removed_debris = layout.remove_debris(self.directory)
+      steps = list(layout.committed_steps(self.directory))
+      self._last_save_step = steps[-1] if steps else -1
+
+  # ----------------------------------------------------------------------------- discovery
+  def all_steps(self) -> list[int]:
+    return list(layout.committed_steps(self.directory))
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def step_dir(self, step: int) -> Path:
+    return self.directory / layout.step_dirname(step)
+
+  # ------------------------------------------------------------------------------- saving
+  def should_save(self, step: int) -> bool:
+    """Whether the cadence asks for a checkpoint of `step` now (the caller adds the last step)."""
+    return self._save_policy.due(step, self._clock(), self._last_save_step, self._last_save_time)
+
+  def _resolved_mode(self, nbytes: int) -> str:
+    if self.options.mode != 'auto':
+      return self.options.mode
+    # async keeps one staged copy of the state in host memory; without room for it, write inline.
+    return 'async' if _available_host_memory() > 2 * nbytes else 'sync'
+
+  def save(self, step: int, state: Any, run_state: Mapping[str, Any] | None = None, *,
+           metadata: Mapping[str, Any] | None = None) -> None:
+    """Checkpoint `state` (any pytree of arrays) as `step`.
+
+    Blocks while the previous save finishes and `state` is copied to host memory; the write
+    continues in the background (or inline in sync mode). `run_state` is JSON (counters, data
+    position, RNG); `metadata` is added to the manifest (identity, config, ...).
+    """
+    if not self._writer:
+      raise CheckpointError('E-CKPT-008', 'this manager was opened read-only', 'open a writer')
+    t0 = time.perf_counter()
+    self.wait_until_finished()
+    leaves = named_leaves(state)
+    table = tensor_table(leaves)
+    staged = self._stager.stage(leaves)
+    blocked = time.perf_counter() - t0
+    self._last_save_step, self._last_save_time = step, self._clock()
+    job = (step, staged, table, dict(run_state or {}), dict(metadata or {}), t0, blocked)
+    if self._resolved_mode(self._stager.nbytes()) == 'sync':
+      self._write(*job)
+      return
+    if self._executor is None:
+      self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-save')
+    self._pending = self._executor.submit(self._write, *job)
+
+  def wait_until_finished(self) -> None:
+    """Wait for the save in flight; raise its error here if it failed."""
+    with self._lock:
+      pending, self._pending = self._pending, None
+    if pending is not None:
+      pending.result()
+
+  def close(self) -> None:
+    try:
+      self.wait_until_finished()
+    finally:
+      if self._executor is not None:
+        self._executor.shutdown(wait=True)
+        self._executor = None
+
+  def __enter__(self) -> 'CheckpointManager':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _write(self, step, staged, table, run_state, metadata, t0, blocked) -> None:
+    tmp = layout.temporary_dir(self.directory, step)
+    try:
+      tmp.mkdir(parents=False)
+      _checkpointer().save(tmp / layout.STATE_DIR, args=ocp.args.PyTreeSave(staged))
+      layout.write_json_durably(tmp / layout.RUN_STATE, {'step': step, **run_state})
+      files = manifest.file_table(tmp)
+      final = self.step_dir(step)
+      replaced = None
+      if final.exists():  # an earlier history reached this step too: swap it out atomically
+        replaced = layout.deleting_dir(self.directory, step)
+        os.rename(final, replaced)
+      os.rename(tmp, final)
+      layout.fsync_dir(self.directory)
+      layout.write_json_durably(final / layout.MANIFEST,
+                                manifest.build(step, files, table, metadata))  # the commit
+      if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    except BaseException as e:
+      shutil.rmtree(tmp, ignore_errors=True)
+      last = layout.committed_steps(self.directory) if self.directory.is_dir() else {}
+      intact = f'the last committed checkpoint (step {max(last)}) is intact' if last else \
+          'no earlier checkpoint exists'
+      raise CheckpointError('E-CKPT-001', f'writing checkpoint step {step} under '
+                            f'{self.directory} failed: {type(e).__name__}: {e}',
+                            f'nothing was committed for step {step}; {intact}') from e
+    deleted = self._apply_retention()
+    if self._on_commit is not None:
+      self._on_commit(CommitInfo(step, final, sum(f['size'] for f in files.values()), blocked,
+                                 time.perf_counter() - t0, tuple(deleted)))
+
+  def _apply_retention(self) -> list[int]:
+    """Delete what retention lets go; only ever called right after a commit."""
+    committed = layout.committed_steps(self.directory)
+    doomed = self._retention.to_delete(committed)
+    for step in doomed:
+      # Rename first so a half-deleted directory never looks like a checkpoint.
+      gone = layout.deleting_dir(self.directory, step)
+      os.rename(committed[step], gone)
+      shutil.rmtree(gone, ignore_errors=True)
+    if doomed:
+      layout.fsync_dir(self.directory)
+    return doomed
+
+  # ----------------------------------------------------------------------------- restoring
+  def read_manifest(self, step_or_dir: int | os.PathLike) -> dict[str, Any]:
+    return manifest.read(self._resolve(step_or_dir))
+
+  def read_run_state(self, step_or_dir: int | os.PathLike) -> dict[str, Any]:
+    return layout.read_json(self._resolve(step_or_dir) / layout.RUN_STATE)
+
+  def _resolve(self, step_or_dir) -> Path:
+    if isinstance(step_or_dir, (int, np.integer)):
+      return self.step_dir(int(step_or_dir))
+    return Path(step_or_dir)
+
+  def verify(self, step_or_dir, *, checksums: bool | None = None) -> list[str]:
+    checksums = self.options.verify_checksums if checksums is None else checksums
+    return manifest.verify(self._resolve(step_or_dir), checksums=checksums)
+
+  def restore(self, step_or_dir: int | os.PathLike, target: Any) -> tuple[Any, dict[str, Any]]:
+    """Load a committed checkpoint into the structure, shapes, dtypes and shardings of `target`.
+
+    `target` is a pytree of `jax.ShapeDtypeStruct` (with `sharding`) or of arrays. Arrays are
+    placed on the target's shardings, whatever mesh wrote them. Returns (state, run_state).
+    """
+    step_dir = self._resolve(step_or_dir)
+    meta = manifest.read(step_dir)
+    problems = manifest.verify(step_dir, meta, checksums=self.options.verify_checksums)
+    if problems:
+      raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problems[0]}'
+                            + (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
+                            'resume from an earlier checkpoint')
+    want = named_leaves(target)
+    saved = {t['name']: t for t in meta['tensors']}
+    _check_compatible(step_dir, saved, want)
+    item = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for n, x in want.items()}
+    restore_args = {n: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                            dtype=x.dtype) for n, x in want.items()}
+    restored = _checkpointer().restore(
+        step_dir / layout.STATE_DIR, args=ocp.args.PyTreeRestore(item=item,
+                                                                 restore_args=restore_args))
+    leaves = [restored[n] for n in want]
+    state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
+    return state, layout.read_json(step_dir / layout.RUN_STATE)
+
+
+def _check_compatible(step_dir: Path, saved: Mapping[str, Any], want: Mapping[str, Any]) -> None:
+  new, gone = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
+  if new or gone:
+    raise CheckpointError('E-PARAM-001', f'{step_dir} does not fit this model: '
+                          + '; '.join(filter(None, [f'new {new[:5]}' if new else '',
+                                                   f'gone {gone[:5]}' if gone else ''])),
+                          'resume with the config that wrote it, or start a new workdir')
+  for name, x in want.items():
+    s = saved[name]
+    if tuple(s['shape']) != tuple(x.shape) or s['dtype'] != str(np.dtype(x.dtype)):
+      raise CheckpointError('E-PARAM-002', f'{name}: checkpoint has {s["dtype"]}{s["shape"]}, '
+                            f'model wants {np.dtype(x.dtype)}{list(x.shape)}',
+                            'resume with the config that wrote it, or start a new workdir')
+
+
+def _checkpointer() -> ocp.Checkpointer:
+  # zstd costs ~35% of save time on incompressible weights and saves almost nothing: off.
+  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))

@@ -1,0 +1,58 @@
+"""Train a GPT, or continue the run in --workdir.
+
+    python -m jaxckpt.main --config=configs/tiny.py --workdir=runs/tiny
+
+The same command starts, restarts and continues a run: by default it resumes from the newest
+committed checkpoint in <workdir>/checkpoints. `--config.train.steps=500` style flags override
+config fields; the checkpoint flags below override `config.checkpoint.*`.
+"""
+
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from jaxckpt import cli_support
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
+                                lock_config=True)
+flags.DEFINE_string('workdir', None, 'Directory of the run: checkpoints, logs, exports.')
+flags.DEFINE_string('resume', None, "latest (default) | none | PATH of a step_<n> directory. "
+                    'Default: $JAXCKPT_RESUME, else latest.')
+flags.DEFINE_integer('checkpoint_every', None, 'Steps between checkpoints (0: off).')
+flags.DEFINE_float('checkpoint_secs', None, 'Seconds between checkpoints (0: off).')
+flags.DEFINE_enum('checkpoint_mode', None, ['auto', 'async', 'sync'], 'How checkpoints are written.')
+flags.DEFINE_integer('keep', None, 'Newest checkpoints to keep (0: all).')
+flags.DEFINE_integer('keep_every', None, 'Keep every checkpoint whose step is divisible by this.')
+flags.mark_flags_as_required(['config', 'workdir'])
+
+_CHECKPOINT_FLAGS = {'checkpoint_every': 'every', 'checkpoint_secs': 'secs',
+                     'checkpoint_mode': 'mode', 'keep': 'keep', 'keep_every': 'keep_every'}
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+  config = FLAGS.config
+  with config.unlocked():
+    for flag, field in _CHECKPOINT_FLAGS.items():
+      if FLAGS[flag].value is not None:
+        config.checkpoint[field] = FLAGS[flag].value
+  resume = FLAGS.resume or os.environ.get('JAXCKPT_RESUME') or 'latest'
+  from jaxckpt import train  # after flag parsing: jax is slow to import
+  from jaxckpt.checkpoint import signals
+
+  def run():
+    try:
+      train.train_and_evaluate(config, FLAGS.workdir, resume=resume)
+    except signals.Interrupted as e:
+      signals.report_and_exit(e)
+
+  return cli_support.run_reporting_errors(run)
+
+
+if __name__ == '__main__':
+  cli_support.configure_logging()
+  app.run(main, flags_parser=cli_support.parse_flags_or_exit)

@@ -1,0 +1,89 @@
+"""The run's records in its workdir: `status.json`, `events.jsonl` and the loss history.
+
+- `status.json` is rewritten atomically: running / interrupted / finished / failed, the step, the
+  last committed checkpoint, pid, host, start and update times.
+- `events.jsonl` and `loss.jsonl` are append-only. A crash can cut their last line short; readers
+  skip a line that does not parse. The loss history is never rewritten: steps replayed after a
+  resume are appended again under a new `segment`, and `read_loss_history` keeps the newest
+  segment's value for each step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from jaxckpt.checkpoint import layout
+
+STATUS = 'status.json'
+EVENTS = 'events.jsonl'
+LOSS = 'loss.jsonl'
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+  rows = []
+  try:
+    lines = path.read_text().splitlines()
+  except FileNotFoundError:
+    return rows
+  for line in lines:
+    try:
+      rows.append(json.loads(line))
+    except ValueError:
+      continue  # a line cut short by a crash
+  return rows
+
+
+def read_loss_history(workdir: str | os.PathLike) -> dict[int, dict[str, Any]]:
+  """{step: row} with, for each step, the row of the newest segment that trained it."""
+  best: dict[int, dict[str, Any]] = {}
+  for row in read_jsonl(Path(workdir) / LOSS):
+    old = best.get(row['step'])
+    if old is None or row['segment'] >= old['segment']:
+      best[row['step']] = row
+  return dict(sorted(best.items()))
+
+
+class RunLog:
+  """Writes the records of one run; safe to call from the checkpoint thread."""
+
+  def __init__(self, workdir: str | os.PathLike):
+    self.workdir = Path(workdir)
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    self._lock = threading.Lock()
+    self._status: dict[str, Any] = {}
+    # Each start of the trainer is a new segment of the loss history.
+    self.segment = sum(1 for e in read_jsonl(self.workdir / EVENTS) if e['event'] == 'started')
+
+  def _append(self, name: str, rows: Iterable[Mapping[str, Any]], *, sync: bool) -> None:
+    data = ''.join(json.dumps(r, separators=(',', ':')) + '\n' for r in rows)
+    if not data:
+      return
+    with self._lock, open(self.workdir / name, 'a') as f:
+      f.write(data)
+      f.flush()
+      if sync:
+        os.fsync(f.fileno())
+
+  def event(self, event: str, **fields: Any) -> None:
+    self._append(EVENTS, [{'event': event, 'time': time.time(), **fields}], sync=True)
+
+  def losses(self, rows: Iterable[Mapping[str, Any]]) -> None:
+    self._append(LOSS, ({**r, 'segment': self.segment} for r in rows), sync=True)
+
+  def status(self, **fields: Any) -> None:
+    with self._lock:
+      if not self._status:
+        self._status = {'pid': os.getpid(), 'host': socket.gethostname(),
+                        'started_at': time.time()}
+      self._status.update(fields, updated_at=time.time())
+      layout.write_json_durably(self.workdir / STATUS, self._status)
+
+
+def read_status(workdir: str | os.PathLike) -> dict[str, Any]:
+  return json.loads((Path(workdir) / STATUS).read_text())

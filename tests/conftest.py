@@ -1,0 +1,106 @@
+"""Shared fixtures. In-process tests see 8 forced CPU devices; subprocess tests choose their own.
+
+Every `python -m jaxckpt.main` the tests start shares one persistent compilation cache, so each
+distinct program compiles once per test session instead of once per subprocess.
+"""
+
+import os
+
+# Before jax is imported anywhere: the in-process tests shard over 8 CPU devices.
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = str(REPO / 'configs' / 'tiny.py')
+
+
+@pytest.fixture(scope='session')
+def compile_cache(tmp_path_factory) -> Path:
+  return tmp_path_factory.mktemp('jax-cache')
+
+
+def subprocess_env(cache: Path, devices: int = 1, **extra: str) -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX', 'XLA'))}
+  env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1', JAX_PLATFORMS='cpu',
+             PYTHONPATH=str(REPO))
+  if devices > 1:
+    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+  env.update(extra)
+  return env
+
+
+class Trainer:
+  """Runs `python -m jaxckpt.main` on the tiny config as a real subprocess."""
+
+  def __init__(self, cache: Path):
+    self.cache = cache
+
+  def command(self, workdir, *flags: str) -> list[str]:
+    return [sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}', f'--workdir={workdir}',
+            *flags]
+
+  def run(self, workdir, *flags: str, devices: int = 1, env: dict | None = None,
+          timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(self.command(workdir, *flags), cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout,
+                          env=subprocess_env(self.cache, devices, **(env or {})))
+
+  def start(self, workdir, *flags: str, devices: int = 1) -> subprocess.Popen:
+    return subprocess.Popen(self.command(workdir, *flags), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env(self.cache, devices))
+
+
+@pytest.fixture(scope='session')
+def trainer(compile_cache) -> Trainer:
+  return Trainer(compile_cache)
+
+
+def committed_steps(workdir) -> list[int]:
+  root = Path(workdir) / 'checkpoints'
+  if not root.is_dir():
+    return []
+  return sorted(int(p.name[5:]) for p in root.iterdir()
+                if p.name.startswith('step_') and p.name[5:].isdigit()
+                and (p / 'manifest.json').is_file())
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+  """Poll until `predicate()` holds; fail if the process ends first or time runs out."""
+  deadline = time.monotonic() + timeout
+  while not predicate():
+    if proc.poll() is not None:
+      raise AssertionError(f'trainer exited ({proc.returncode}) first:\n{proc.stdout.read()}')
+    if time.monotonic() > deadline:
+      proc.kill()
+      raise AssertionError('timed out waiting for the trainer')
+    time.sleep(0.005)
+
+
+def read_arrays(step_dir) -> dict[str, np.ndarray]:
+  """Every array of a checkpoint, read with orbax directly (not through jaxckpt)."""
+  import orbax.checkpoint as ocp
+  restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(Path(step_dir) / 'state')
+  return {k: np.asarray(v) for k, v in restored.items()}
+
+
+def assert_same_bytes(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+  assert sorted(a) == sorted(b)
+  different = [k for k in a if a[k].dtype != b[k].dtype or a[k].tobytes() != b[k].tobytes()]
+  assert not different, f'{len(different)} arrays differ, e.g. {different[:3]}'
+
+
+def read_events(workdir) -> list[dict]:
+  path = Path(workdir) / 'events.jsonl'
+  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

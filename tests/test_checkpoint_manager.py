@@ -1,0 +1,193 @@
+"""The checkpoint library on its own: any pytree, no trainer."""
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, committed_steps
+from jaxckpt.checkpoint import layout
+from jaxckpt.errors import CheckpointError
+
+
+@pytest.fixture(scope='module')
+def mesh():
+  return Mesh(np.asarray(jax.devices()).reshape(4, 2), ('data', 'model'))
+
+
+def make_state(mesh, seed=0):
+  k = jax.random.key(seed)
+  w = jax.device_put(jax.random.normal(k, (8, 16)), NamedSharding(mesh, P('data', 'model')))
+  b = jax.device_put(jnp.arange(16, dtype=jnp.float32), NamedSharding(mesh, P('model')))
+  return {'params': {'w': w, 'b': b}, 'opt': (jnp.int32(7), {'mu': jnp.ones(3, jnp.bfloat16)})}
+
+
+def abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def host(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize('mode', ['async', 'sync'])
+def test_round_trip_is_byte_exact(mesh, tmp_path, mode):
+  state = make_state(mesh)
+  with CheckpointManager(tmp_path, CheckpointOptions(mode=mode)) as mgr:
+    mgr.save(5, state, {'data_position': 5})
+  mgr = CheckpointManager(tmp_path)
+  restored, run_state = mgr.restore(mgr.latest_step(), abstract(state))
+  assert host(restored) == host(state)
+  assert run_state == {'step': 5, 'data_position': 5}
+  assert restored['params']['w'].sharding == state['params']['w'].sharding
+
+
+def test_restore_onto_another_mesh(mesh, tmp_path):
+  state = make_state(mesh)
+  with CheckpointManager(tmp_path) as mgr:
+    mgr.save(1, state)
+  one = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                       sharding=NamedSharding(one, P())), state)
+  restored, _ = CheckpointManager(tmp_path).restore(1, target)
+  assert host(restored) == host(state)
+  assert restored['params']['w'].sharding.mesh.devices.size == 1
+
+
+def test_async_save_copies_the_state_before_returning(mesh, tmp_path):
+  """A donated state is overwritten by the next step while the write is still running."""
+  state = make_state(mesh)
+  expected = host(state)
+  step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+  with CheckpointManager(tmp_path, CheckpointOptions(mode='async')) as mgr:
+    mgr.save(1, state)
+    for _ in range(3):
+      state = step(state)
+  restored, _ = CheckpointManager(tmp_path).restore(1, abstract(state))
+  assert host(restored) == expected
+
+
+def test_background_failure_is_raised_in_the_caller_and_nothing_half_written_commits(
+    mesh, tmp_path):
+  root = tmp_path / 'ckpt'
+  state = make_state(mesh)
+  mgr = CheckpointManager(root, CheckpointOptions(mode='async', keep=1))
+  mgr.save(1, state)
+  mgr.wait_until_finished()
+  # The disk goes away under the run: the location is now a file.
+  moved = tmp_path / 'moved'
+  os.rename(root, moved)
+  root.write_text('')
+  mgr.save(2, state)
+  with pytest.raises(CheckpointError) as err:
+    mgr.wait_until_finished()
+  assert err.value.code == 'E-CKPT-001' and 'step 2' in str(err.value)
+  mgr.close()
+  root.unlink()
+  os.rename(moved, root)
+  assert committed_steps(root) == {1: root / 'step_00000001'}  # keep=1 did not delete it
+
+
+def test_background_failure_surfaces_at_the_next_save(mesh, tmp_path):
+  root = tmp_path / 'ckpt'
+  mgr = CheckpointManager(root, CheckpointOptions(mode='async'))
+  mgr.save(1, make_state(mesh))
+  mgr.wait_until_finished()
+  shutil.rmtree(root)
+  root.write_text('')
+  mgr.save(2, make_state(mesh))
+  with pytest.raises(CheckpointError, match='E-CKPT-001'):
+    mgr.save(3, make_state(mesh))
+  mgr.close()
+
+
+def test_retention_keeps_last_k_and_every_p_th(mesh, tmp_path):
+  state = make_state(mesh)
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=2, keep_every=4)) as mgr:
+    for step in range(1, 11):
+      mgr.save(step, state)
+  assert list(committed_steps(tmp_path)) == [4, 8, 9, 10]
+  assert sorted(os.listdir(tmp_path)) == [f'step_{s:08d}' for s in (4, 8, 9, 10)]
+
+
+def test_time_cadence_with_an_injected_clock(mesh, tmp_path):
+  now = [100.0]
+  mgr = CheckpointManager(tmp_path, CheckpointOptions(every_secs=30, keep=0),
+                          clock=lambda: now[0])
+  saved = []
+  for step in range(1, 13):
+    now[0] += 7.0  # each step takes 7 s
+    if mgr.should_save(step):
+      mgr.save(step, make_state(mesh))
+      saved.append(step)
+  mgr.close()
+  assert saved == [5, 10]  # 35 s after the start, then 35 s after the save at step 5
+  assert list(committed_steps(tmp_path)) == saved
+
+
+def test_debris_is_invisible_to_readers_and_removed_by_the_next_writer(mesh, tmp_path):
+  with CheckpointManager(tmp_path) as mgr:
+    mgr.save(1, make_state(mesh))
+  shutil.copytree(tmp_path / 'step_00000001', tmp_path / 'step_00000002')
+  (tmp_path / 'step_00000002' / layout.MANIFEST).unlink()
+  (tmp_path / 'step_00000003.tmp-00112233aabb').mkdir()
+  (tmp_path / 'step_00000001.deleting-00112233aabb').mkdir()
+  reader = CheckpointManager(tmp_path, writer=False)
+  assert reader.latest_step() == 1
+  assert len(os.listdir(tmp_path)) == 4  # a reader never deletes
+  writer = CheckpointManager(tmp_path)
+  assert writer.latest_step() == 1
+  assert os.listdir(tmp_path) == ['step_00000001']
+  assert len(writer.removed_debris) == 3
+
+
+def test_damaged_checkpoint_is_refused(mesh, tmp_path):
+  state = make_state(mesh)
+  with CheckpointManager(tmp_path) as mgr:
+    mgr.save(1, state)
+  manifest = json.loads((tmp_path / 'step_00000001' / layout.MANIFEST).read_text())
+  biggest = max(manifest['files'], key=lambda f: manifest['files'][f]['size'])
+  path = tmp_path / 'step_00000001' / biggest
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0x01
+  path.write_bytes(bytes(data))
+  with pytest.raises(CheckpointError, match='E-CKPT-003.*checksum mismatch'):
+    CheckpointManager(tmp_path).restore(1, abstract(state))
+
+
+def test_manifest_cannot_name_files_outside_the_checkpoint(mesh, tmp_path):
+  with CheckpointManager(tmp_path) as mgr:
+    mgr.save(1, make_state(mesh))
+  path = tmp_path / 'step_00000001' / layout.MANIFEST
+  manifest = json.loads(path.read_text())
+  manifest['files']['../../etc/passwd'] = {'size': 1, 'crc32': '00000000'}
+  path.write_text(json.dumps(manifest))
+  with pytest.raises(CheckpointError, match='E-CKPT-005'):
+    CheckpointManager(tmp_path).verify(1)
+
+
+def test_restore_refuses_a_different_structure(mesh, tmp_path):
+  state = make_state(mesh)
+  with CheckpointManager(tmp_path) as mgr:
+    mgr.save(1, state)
+  grown = dict(state, extra=jnp.zeros(2))
+  with pytest.raises(CheckpointError, match='E-PARAM-001.*new'):
+    CheckpointManager(tmp_path).restore(1, abstract(grown))
+  reshaped = jax.tree.map(lambda x: x, state)
+  reshaped['params']['b'] = jnp.zeros(15)
+  with pytest.raises(CheckpointError, match='E-PARAM-002.*params/b'):
+    CheckpointManager(tmp_path).restore(1, abstract(reshaped))
+
+
+def test_saving_a_step_again_replaces_it_only_once_the_new_one_is_written(mesh, tmp_path):
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=0)) as mgr:
+    mgr.save(1, make_state(mesh, seed=0))
+    mgr.save(1, make_state(mesh, seed=1))
+  restored, _ = CheckpointManager(tmp_path).restore(1, abstract(make_state(mesh)))
+  assert host(restored) == host(make_state(mesh, seed=1))
+  assert os.listdir(tmp_path) == ['step_00000001']

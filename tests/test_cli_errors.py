@@ -1,0 +1,71 @@
+"""Resume modes and bad input: one line naming the problem and the fix, exit 2, no traceback."""
+
+import shutil
+
+import pytest
+
+from conftest import committed_steps, read_events
+
+FLAGS = ('--config.train.steps=20', '--checkpoint_every=10')
+
+
+@pytest.fixture(scope='module')
+def finished_run(trainer, tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('finished')
+  r = trainer.run(workdir, *FLAGS)
+  assert r.returncode == 0, r.stderr
+  return workdir
+
+
+def assert_refused(result, code: str) -> str:
+  assert result.returncode == 2, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert 'Traceback' not in result.stderr
+  assert lines[-1].startswith(f'jaxckpt: {code}: '), lines[-1]
+  return lines[-1]
+
+
+def test_resume_none_refuses_a_workdir_with_checkpoints(trainer, finished_run):
+  line = assert_refused(trainer.run(finished_run, *FLAGS, '--resume=none'), 'E-RESUME-001')
+  assert 'fork' in line and '--resume=latest' in line
+  assert committed_steps(finished_run) == [10, 20]
+
+
+def test_resume_mode_from_environment(trainer, finished_run):
+  assert_refused(trainer.run(finished_run, *FLAGS, env={'JAXCKPT_RESUME': 'none'}),
+                 'E-RESUME-001')
+
+
+def test_resume_none_starts_fresh_in_an_empty_workdir(trainer, tmp_path):
+  r = trainer.run(tmp_path, '--config.train.steps=10', '--resume=none')
+  assert r.returncode == 0, r.stderr
+  assert committed_steps(tmp_path) == [10]
+  assert not [e for e in read_events(tmp_path) if e['event'] == 'resumed']
+
+
+def test_resume_path_that_is_not_a_checkpoint(trainer, finished_run, tmp_path):
+  line = assert_refused(trainer.run(tmp_path, *FLAGS, f'--resume={tmp_path}/nowhere'),
+                        'E-RESUME-003')
+  assert 'step_<n>' in line
+  partial = tmp_path / 'step_00000010'
+  shutil.copytree(finished_run / 'checkpoints' / 'step_00000010', partial)
+  (partial / 'manifest.json').unlink()  # uncommitted: never a resume point
+  assert_refused(trainer.run(tmp_path / 'w', *FLAGS, f'--resume={partial}'), 'E-RESUME-003')
+
+
+def test_unlistable_checkpoint_location_is_an_error_not_a_fresh_start(trainer, tmp_path):
+  (tmp_path / 'checkpoints').write_text('not a directory')
+  line = assert_refused(trainer.run(tmp_path, *FLAGS), 'E-RESUME-002')
+  assert 'cannot list' in line
+  assert not (tmp_path / 'events.jsonl').exists()
+
+
+@pytest.mark.parametrize('flag, code', [
+    ('--checkpoint_mode=sometimes', 'E-USAGE-001'),
+    ('--config.train.steps=0', 'E-CONFIG-001'),
+    ('--config.model.n_head=3', 'E-CONFIG-001'),
+    ('--keep=-1', 'E-CONFIG-004'),
+    ('--config.data.paths=("/no/such/file.txt",)', 'E-DATA-001'),
+])
+def test_bad_input_is_one_line_and_exit_2(trainer, tmp_path, flag, code):
+  assert_refused(trainer.run(tmp_path, flag), code)

@@ -1,0 +1,96 @@
+"""End to end through `python -m jaxckpt.main`: a stopped run continues bit-exactly.
+
+Each straight run trains the tiny config 2k steps in one go; each interrupted run is stopped
+(SIGKILL, or SIGTERM which checkpoints the step it stops at) right after the checkpoint of step k
+commits, and then started again with the same command.
+"""
+
+import json
+import shutil
+import signal
+
+import pytest
+
+from conftest import assert_same_bytes, committed_steps, read_arrays, read_events, wait_for
+from jaxckpt.runlog import read_loss_history
+
+STEPS = 80
+KILL_AFTER = 20
+RUN_FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=10',
+             '--config.train.log_every=10', '--keep=0')
+MESHES = {1: (), 8: ('--config.mesh.data=4', '--config.mesh.model=2')}
+
+
+@pytest.fixture(scope='module')
+def straight(trainer, tmp_path_factory):
+  """{devices: workdir of a run trained STEPS steps without stopping}."""
+  runs = {}
+  for devices, mesh in MESHES.items():
+    workdir = tmp_path_factory.mktemp(f'straight{devices}')
+    r = trainer.run(workdir, *RUN_FLAGS, *mesh, devices=devices)
+    assert r.returncode == 0, r.stderr
+    runs[devices] = workdir
+  return runs
+
+
+def final_arrays(workdir):
+  return read_arrays(workdir / 'checkpoints' / f'step_{STEPS:08d}')
+
+
+def losses(workdir):
+  return {step: row['loss'] for step, row in read_loss_history(workdir).items()}
+
+
+@pytest.mark.parametrize('devices, stop', [(1, signal.SIGKILL), (8, signal.SIGKILL),
+                                           (1, signal.SIGTERM), (8, signal.SIGTERM)])
+def test_stopped_run_continued_by_the_same_command_is_bit_exact(trainer, straight, tmp_path,
+                                                                 devices, stop):
+  proc = trainer.start(tmp_path, *RUN_FLAGS, *MESHES[devices], devices=devices)
+  wait_for(lambda: KILL_AFTER in committed_steps(tmp_path), proc)
+  proc.send_signal(stop)
+  proc.wait()
+  assert proc.returncode == (-signal.SIGKILL if stop == signal.SIGKILL else 128 + stop)
+  survived = committed_steps(tmp_path)
+  assert max(survived) < STEPS, 'the run finished before it could be killed'
+
+  again = trainer.run(tmp_path, *RUN_FLAGS, *MESHES[devices], devices=devices)
+  assert again.returncode == 0, again.stderr
+
+  resumed = [e for e in read_events(tmp_path) if e['event'] == 'resumed']
+  assert [e['step'] for e in resumed] == [max(survived)]
+  assert_same_bytes(final_arrays(tmp_path), final_arrays(straight[devices]))
+  assert losses(tmp_path) == losses(straight[devices])
+  assert sorted(losses(tmp_path)) == list(range(1, STEPS + 1))
+  status = json.loads((tmp_path / 'status.json').read_text())
+  assert status['state'] == 'finished' and status['step'] == STEPS
+
+
+def test_loss_history_keeps_replayed_steps_as_a_new_segment(trainer, straight, tmp_path):
+  """Resuming an explicit older checkpoint replays steps; the history keeps both segments."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(straight[1], workdir)
+  r = trainer.run(workdir, *RUN_FLAGS, f'--resume={workdir}/checkpoints/step_00000040')
+  assert r.returncode == 0, r.stderr
+  rows = [json.loads(line) for line in (workdir / 'loss.jsonl').read_text().splitlines()]
+  assert [row['step'] for row in rows] == list(range(1, STEPS + 1)) + list(range(41, STEPS + 1))
+  assert {row['segment'] for row in rows[STEPS:]} == {1}
+  # The replay rewrote steps 50..80 through the replace path, and they equal the originals.
+  assert_same_bytes(final_arrays(workdir), final_arrays(straight[1]))
+  assert losses(workdir) == losses(straight[1])
+
+
+def test_debris_is_never_resumed_and_is_cleaned(trainer, straight, tmp_path):
+  workdir = tmp_path / 'run'
+  shutil.copytree(straight[1], workdir)
+  ckpts = workdir / 'checkpoints'
+  # A step directory whose manifest was never written, and a temporary directory.
+  shutil.copytree(ckpts / 'step_00000080', ckpts / 'step_00000090')
+  (ckpts / 'step_00000090' / 'manifest.json').unlink()
+  shutil.copytree(ckpts / 'step_00000080', ckpts / 'step_00000100.tmp-0123456789ab')
+  r = trainer.run(workdir, *RUN_FLAGS)
+  assert r.returncode == 0, r.stderr
+  events = read_events(workdir)
+  assert [e['step'] for e in events if e['event'] == 'resumed'] == [STEPS]
+  cleaned = [e for e in events if e['event'] == 'cleaned']
+  assert len(cleaned) == 1 and len(cleaned[0]['paths']) == 2
+  assert sorted(p.name for p in ckpts.iterdir()) == [f'step_{s:08d}' for s in range(10, 81, 10)]
