@@ -1,0 +1,103 @@
+"""jaxckpt.export: the model outside jaxckpt, as plain files other tools read.
+
+    from jaxckpt.export import flatbin, hf, offline, safetensors_io
+
+- `safetensors_io`: flat `model.safetensors` (dotted names, f32) and `optimizer.safetensors`
+  (`<param>/m`, `<param>/v`).
+- `hf`: a Hugging Face GPT-2 directory (`config.json` + `model.safetensors`) that
+  `transformers.GPT2LMHeadModel.from_pretrained` loads.
+- `flatbin`: the raw ANDREA `step_NNNNNN.bin` (header, weights, Adam m, Adam v; 8 + 12n bytes).
+- `offline`: any of the above from a committed checkpoint directory or a `.bin`, without
+  building the model (`jaxckpt export`).
+
+Every writer is a pure function of host numpy arrays and publishes atomically: it writes under a
+temporary sibling name, fsyncs, renames into place and fsyncs the parent, so a crash never leaves
+a half-written export under its final name. The helpers here are the two shapes of that dance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from jaxckpt.checkpoint.layout import fsync_dir
+
+TMP_MARK = '.tmp-'  # temporary siblings are named `<final name>.tmp-<nonce>`
+
+
+def temporary_sibling(path: Path) -> Path:
+  return path.with_name(f'{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}')
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+  """Yields a temporary path next to `path`; on success it becomes `path`, durably.
+
+  The caller writes the whole file to the yielded path. It is then fsynced, renamed over `path`
+  (old content or new, never a mix) and the directory fsynced. On error it is removed.
+  """
+  path = Path(path)
+  tmp = temporary_sibling(path)
+  try:
+    yield tmp
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+  fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+  """Yields a fresh temporary directory next to `path`; on success it becomes `path`, durably.
+
+  The caller fills the yielded directory (fsyncing its files, e.g. with `atomic_file`). An
+  existing `path` is swapped out in one step where the OS can (Linux `renameat2`
+  RENAME_EXCHANGE), so readers see the old export or the new one, never neither; elsewhere the
+  old one is renamed aside first. On error the temporary directory is removed.
+  """
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = temporary_sibling(path)
+  tmp.mkdir()
+  try:
+    yield tmp
+    fsync_dir(tmp)
+    _publish_dir(tmp, path)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  fsync_dir(path.parent)
+
+
+def _publish_dir(tmp: Path, path: Path) -> None:
+  if not path.exists():
+    os.rename(tmp, path)
+    return
+  if _exchange(tmp, path):  # tmp now holds the old export
+    shutil.rmtree(tmp, ignore_errors=True)
+    return
+  old = temporary_sibling(path)
+  os.rename(path, old)
+  os.rename(tmp, path)
+  shutil.rmtree(old, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+  """Atomically swap two paths (Linux >= 3.15); False where the OS or filesystem cannot."""
+  libc = ctypes.CDLL(None, use_errno=True)
+  renameat2 = getattr(libc, 'renameat2', None)
+  if renameat2 is None:
+    return False
+  at_fdcwd, rename_exchange = -100, 2
+  return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0

@@ -1,0 +1,153 @@
+"""A Hugging Face GPT-2 directory: `config.json` + `model.safetensors`.
+
+    write_hf_dir('exports/step_00000300/hf', flat_params, config.model)
+
+    from transformers import GPT2LMHeadModel
+    model = GPT2LMHeadModel.from_pretrained('exports/step_00000300/hf')
+
+jaxckpt's model is GPT-2 itself (see `jaxckpt.model`): kernels are stored (in, out) like GPT-2's
+`Conv1D` weights and the untied head (vocab, embed) like `lm_head.weight`, so the export only
+renames tensors, it never transposes. A tied head writes no `lm_head.weight` (transformers ties
+it to `transformer.wte.weight` itself) and sets `tie_word_embeddings`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import ml_collections
+import numpy as np
+
+from jaxckpt import model as model_lib
+from jaxckpt.errors import UsageError
+from jaxckpt.export import atomic_dir, atomic_file, safetensors_io
+
+CONFIG_FILE = 'config.json'
+WEIGHTS_FILE = 'model.safetensors'
+
+# Last component of a jaxckpt name -> GPT-2's.
+_LEAF = {'embedding': 'weight', 'kernel': 'weight', 'scale': 'weight', 'bias': 'bias'}
+
+
+def as_model_config(model_cfg: Any) -> ml_collections.ConfigDict:
+  """`config.model` as a ConfigDict, whether given one or a plain dict (from a manifest)."""
+  if isinstance(model_cfg, ml_collections.ConfigDict):
+    return model_cfg
+  return ml_collections.ConfigDict(dict(model_cfg))
+
+
+def gpt2_config(model_cfg) -> dict[str, Any]:
+  """The `config.json` of a `GPT2LMHeadModel` with the architecture of `model_cfg`."""
+  c = as_model_config(model_cfg)
+  # The byte tokenizer has no special tokens; the last id (0xFF for bytes, which never occurs
+  # in UTF-8 text) is a valid id that never ends a generate() early on real text.
+  special = c.vocab_size - 1
+  return {
+      'model_type': 'gpt2',
+      'architectures': ['GPT2LMHeadModel'],
+      'vocab_size': c.vocab_size,
+      'n_positions': c.block_size,
+      'n_ctx': c.block_size,
+      'n_embd': c.n_embd,
+      'n_layer': c.n_layer,
+      'n_head': c.n_head,
+      'n_inner': 4 * c.n_embd,
+      'activation_function': 'gelu_new',  # tanh-approximated GELU, as jaxckpt.model
+      'layer_norm_epsilon': model_lib.LAYER_NORM_EPS,
+      'resid_pdrop': 0.0,
+      'embd_pdrop': 0.0,
+      'attn_pdrop': 0.0,
+      'summary_first_dropout': 0.0,
+      'initializer_range': 0.02,
+      'scale_attn_weights': True,
+      'scale_attn_by_inverse_layer_idx': False,
+      'reorder_and_upcast_attn': False,
+      'tie_word_embeddings': bool(c.tie_embeddings),
+      'bos_token_id': special,
+      'eos_token_id': special,
+      'use_cache': True,
+      # Weights are exported in f32 whatever the compute dtype; `dtype` is transformers 5's
+      # name for `torch_dtype`, kept for transformers 4.
+      'dtype': 'float32',
+      'torch_dtype': 'float32',
+  }
+
+
+def hf_name(name: str) -> str:
+  """`h.0.attn.c_attn.kernel` -> `transformer.h.0.attn.c_attn.weight`; `lm_head.kernel` ->
+  `lm_head.weight`."""
+  *path, leaf = name.split('.')
+  hf = '.'.join([*path, _LEAF[leaf]])
+  return hf if path[0] == 'lm_head' else f'transformer.{hf}'
+
+
+def hf_state_dict(params: Mapping[str, np.ndarray], model_cfg) -> dict[str, np.ndarray]:
+  """{GPT-2 name: f32 array} from jaxckpt's {dotted name: array}, in canonical order.
+
+  Raises:
+    UsageError (E-EXPORT-002): `params` are not exactly this config's parameters and shapes.
+  """
+  c = as_model_config(model_cfg)
+  check_params(params, c)
+  return {hf_name(n): np.asarray(params[n], dtype=np.float32)
+          for n in model_lib.parameter_names(c)}
+
+
+def check_params(params: Mapping[str, Any], model_cfg) -> None:
+  """Refuse parameters that are not exactly `model_cfg`'s, before anything is written."""
+  c = as_model_config(model_cfg)
+  want = model_lib.parameter_names(c)
+  if sorted(params) != sorted(want):
+    diff = sorted(set(params) ^ set(want))
+    raise UsageError('E-EXPORT-002', f'parameters do not match the model config '
+                     f'(n_layer={c.n_layer}, tie_embeddings={c.tie_embeddings}): differ in '
+                     f'{diff[:4]}', 'export with the model config the parameters were trained '
+                     'with')
+  shapes = param_shapes(c)
+  for name in want:
+    if tuple(np.shape(params[name])) != shapes[name]:
+      raise UsageError('E-EXPORT-002', f'{name} has shape {tuple(np.shape(params[name]))}, the '
+                       f'model config wants {shapes[name]}', 'export with the model config the '
+                       'parameters were trained with')
+
+
+def param_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+  """{dotted name: shape} in canonical order, from the config alone (no model is built)."""
+  c = as_model_config(model_cfg)
+  C, V, T = c.n_embd, c.vocab_size, c.block_size
+  per_layer = {'ln_1.scale': (C,), 'ln_1.bias': (C,), 'attn.c_attn.kernel': (C, 3 * C),
+               'attn.c_attn.bias': (3 * C,), 'attn.c_proj.kernel': (C, C),
+               'attn.c_proj.bias': (C,), 'ln_2.scale': (C,), 'ln_2.bias': (C,),
+               'mlp.c_fc.kernel': (C, 4 * C), 'mlp.c_fc.bias': (4 * C,),
+               'mlp.c_proj.kernel': (4 * C, C), 'mlp.c_proj.bias': (C,)}
+  fixed = {'wte.embedding': (V, C), 'wpe.embedding': (T, C), 'ln_f.scale': (C,),
+           'ln_f.bias': (C,), 'lm_head.kernel': (V, C)}
+  shapes = {}
+  for name in model_lib.parameter_names(c):
+    parts = name.split('.')
+    shapes[name] = per_layer['.'.join(parts[2:])] if parts[0] == 'h' else fixed[name]
+  return shapes
+
+
+def write_hf_dir(out_dir: str | os.PathLike, params: Mapping[str, np.ndarray], model_cfg, *,
+                 metadata: Mapping[str, object] | None = None) -> None:
+  """Write a `from_pretrained`-loadable GPT-2 directory at `out_dir`, atomically.
+
+  The files go into a temporary sibling directory, are fsynced, and the directory is renamed
+  into place (an existing export there is swapped out), so a half-written export is never seen
+  under `out_dir`.
+
+  Args:
+    out_dir: the directory to create or replace.
+    params: {dotted name: array} of `model_cfg`'s parameters (`jaxckpt.model.flatten_params`).
+    model_cfg: `config.model` (a ConfigDict or a plain dict).
+    metadata: extra string metadata for `model.safetensors` (e.g. the step).
+  """
+  state = hf_state_dict(params, model_cfg)
+  config = json.dumps(gpt2_config(model_cfg), indent=2) + '\n'
+  with atomic_dir(out_dir) as tmp:
+    with atomic_file(tmp / CONFIG_FILE) as path:
+      path.write_text(config)
+    safetensors_io.write_tensors(tmp / WEIGHTS_FILE, state, metadata=metadata)

@@ -1,0 +1,189 @@
+"""Exports after the fact, from a committed checkpoint or a `.bin` (`jaxckpt export`).
+
+    export_checkpoint('runs/tiny/checkpoints/step_00000300', 'hf',
+                      export_path('runs/tiny/exports', 300, 'hf'))
+    export_bin('runs/tiny/exports/step_000300.bin', 'safetensors', 'out/step_300', config.model)
+
+Nothing here builds the model or touches an accelerator: the arrays are read with orbax as host
+numpy arrays, the model config and step come from the checkpoint's `manifest.json`, and the
+checkpoint's checksums are verified before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxckpt import model as model_lib
+from jaxckpt.checkpoint import layout, manifest
+from jaxckpt.errors import CheckpointError, UsageError
+from jaxckpt.export import flatbin, hf, safetensors_io
+
+FORMATS = ('safetensors', 'hf', 'bin')
+MODEL_FILE = 'model.safetensors'
+OPTIMIZER_FILE = 'optimizer.safetensors'
+
+# Where optax's Adam keeps its moments inside `opt_state`, and what exports call them.
+_ADAM = {'mu': 'm', 'nu': 'v'}
+
+
+def export_path(exports_dir: str | os.PathLike, step: int, fmt: str) -> Path:
+  """The conventional place of an export under a run's `exports/` directory.
+
+  safetensors: `exports/step_<8 digits>/` (holding model.safetensors, optimizer.safetensors);
+  hf: `exports/step_<8 digits>/hf/`; bin: `exports/step_NNNNNN.bin`.
+  """
+  _check_format(fmt, FORMATS)
+  exports_dir = Path(exports_dir)
+  if fmt == 'bin':
+    return exports_dir / flatbin.bin_name(step)
+  step_dir = exports_dir / layout.step_dirname(step)
+  return step_dir / 'hf' if fmt == 'hf' else step_dir
+
+
+def param_of_leaf(leaf: str) -> tuple[str, str] | None:
+  """Which parameter tensor a checkpoint leaf is: (kind, dotted name), or None.
+
+  kind is 'params', 'm' (Adam mu) or 'v' (Adam nu):
+    'params/h/0/attn/c_attn/kernel'        -> ('params', 'h.0.attn.c_attn.kernel')
+    'opt_state/1/0/mu/h/0/attn/c_attn/bias' -> ('m', 'h.0.attn.c_attn.bias')
+    'opt_state/1/0/nu/wte/embedding'        -> ('v', 'wte.embedding')
+    'opt_state/1/0/count'                  -> None (a counter, not a tensor of the model)
+  The position of Adam's state inside the optax chain (`1/0` here) is not assumed: the moments
+  are found by their `mu`/`nu` component. The inverse is
+  `'params/' + dotted.replace('.', '/')` for weights.
+  """
+  parts = leaf.split('/')
+  if parts[0] == 'params':
+    return 'params', '.'.join(parts[1:])
+  if parts[0] == 'opt_state':
+    for i, part in enumerate(parts):
+      if part in _ADAM:
+        return _ADAM[part], '.'.join(parts[i + 1:])
+  return None
+
+
+def read_checkpoint(step_dir: str | os.PathLike, model_cfg=None) -> dict[str, Any]:
+  """{step, model_cfg, params, m, v} of a committed checkpoint, as host numpy arrays.
+
+  `params`, `m` and `v` are {dotted name: array} in canonical order; `m` and `v` are None when
+  the optimizer state holds no Adam moments. `model_cfg` defaults to the manifest's.
+
+  Raises:
+    UsageError (E-EXPORT-003): not a committed checkpoint, or no model config known.
+    CheckpointError (E-EXPORT-004): a file does not match the manifest's size or checksum.
+    UsageError (E-EXPORT-002): the arrays do not fit the model config.
+  """
+  step_dir = Path(step_dir)
+  meta = _read_manifest(step_dir)
+  cfg = hf.as_model_config(model_cfg if model_cfg is not None else _model_config(step_dir, meta))
+  found: dict[str, dict[str, np.ndarray]] = {'params': {}, 'm': {}, 'v': {}}
+  for leaf, array in _read_arrays(step_dir, meta).items():
+    which = param_of_leaf(leaf)
+    if which is None:
+      continue
+    kind, name = which
+    if name in found[kind]:
+      raise UsageError('E-EXPORT-005', f'{step_dir}: more than one optimizer state holds '
+                       f'{kind} of {name} ({leaf})', 'this exporter understands one optax Adam '
+                       'state; export the weights only (--format=hf)')
+    found[kind][name] = array
+  adam = bool(found['m'] and found['v'])
+  for kind in ('params', 'm', 'v') if adam else ('params',):
+    hf.check_params(found[kind], cfg)
+  order = model_lib.parameter_names(cfg)
+  ordered = {k: {n: found[k][n] for n in order} if k == 'params' or adam else None
+             for k in found}
+  return {'step': int(meta['step']), 'model_cfg': cfg, **ordered}
+
+
+def _read_manifest(step_dir: Path) -> dict[str, Any]:
+  if layout.parse_step(step_dir.name) is None or not (step_dir / layout.MANIFEST).is_file():
+    raise UsageError('E-EXPORT-003', f'{step_dir} is not a committed checkpoint (a step_<n> '
+                     'directory with a manifest.json)', 'pass a checkpoints/step_<n> directory')
+  meta = manifest.read(step_dir)
+  problems = manifest.verify(step_dir, meta, checksums=True)
+  if problems:
+    raise CheckpointError('E-EXPORT-004', f'{step_dir} is damaged: {problems[0]}',
+                          'export an earlier checkpoint (`jaxckpt verify` lists the damage)')
+  return meta
+
+
+def _model_config(step_dir: Path, meta: Mapping[str, Any]) -> Mapping[str, Any]:
+  cfg = (meta.get('config') or {}).get('model')
+  if not cfg:
+    raise UsageError('E-EXPORT-003', f'{step_dir}/manifest.json records no model config',
+                     'pass the model config explicitly (model_cfg=config.model)')
+  return cfg
+
+
+def _read_arrays(step_dir: Path, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  # As numpy, whatever mesh wrote them: no devices are needed, and none are touched.
+  args = {t['name']: ocp.RestoreArgs(restore_type=np.ndarray) for t in meta['tensors']}
+  restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
+      step_dir / layout.STATE_DIR, args=ocp.args.PyTreeRestore(restore_args=args))
+  return {k: np.asarray(v) for k, v in restored.items()}
+
+
+def export_checkpoint(step_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, *,
+                      model_cfg=None, optimizer: bool = True) -> Path:
+  """Export a committed checkpoint as `fmt` at `out`; returns `out`.
+
+  Args:
+    step_dir: a committed `checkpoints/step_<n>` directory.
+    fmt: 'safetensors' (`out` is a directory: model.safetensors, and optimizer.safetensors when
+      `optimizer`), 'hf' (`out` is the GPT-2 directory) or 'bin' (`out` is the .bin file).
+    out: where the export goes (`export_path` gives the conventional place).
+    model_cfg: `config.model`; defaults to the one recorded in the manifest.
+    optimizer: write optimizer.safetensors next to model.safetensors (safetensors only).
+  """
+  _check_format(fmt, FORMATS)
+  ckpt = read_checkpoint(step_dir, model_cfg)
+  source = {'source': str(Path(step_dir).resolve())}
+  return _write(fmt, Path(out), ckpt['step'], ckpt['model_cfg'], ckpt['params'], ckpt['m'],
+                ckpt['v'], optimizer=optimizer, metadata=source)
+
+
+def export_bin(bin_path: str | os.PathLike, fmt: str, out: str | os.PathLike, model_cfg, *,
+               optimizer: bool = True) -> Path:
+  """Export a `.bin` (weights, m, v) as 'safetensors' or 'hf' at `out`; returns `out`.
+
+  Raises:
+    ResumeError (E-BIN-001): the file's size is not 8 + 12n for `model_cfg`.
+  """
+  _check_format(fmt, ('safetensors', 'hf'))
+  cfg = hf.as_model_config(model_cfg)
+  step, params, m, v = flatbin.read_bin(bin_path, hf.param_shapes(cfg))
+  source = {'source': str(Path(bin_path).resolve())}
+  return _write(fmt, Path(out), step, cfg, params, m, v, optimizer=optimizer, metadata=source)
+
+
+def _write(fmt: str, out: Path, step: int, cfg, params, m, v, *, optimizer: bool,
+           metadata: Mapping[str, str]) -> Path:
+  meta = {'step': step, 'jaxckpt.model': json.dumps(cfg.to_dict(), sort_keys=True), **metadata}
+  if fmt == 'hf':
+    hf.write_hf_dir(out, params, cfg, metadata=meta)
+    return out
+  if fmt == 'bin' and m is None:
+    raise UsageError('E-EXPORT-005', 'the checkpoint holds no Adam moments (mu/nu) for the '
+                     '.bin format', 'export --format=safetensors or --format=hf instead')
+  out.parent.mkdir(parents=True, exist_ok=True)
+  if fmt == 'bin':
+    flatbin.write_bin(out, step, params, m, v)
+    return out
+  out.mkdir(exist_ok=True)
+  safetensors_io.write_model(out / MODEL_FILE, params, metadata=meta)
+  if optimizer and m is not None:
+    safetensors_io.write_optimizer(out / OPTIMIZER_FILE, m, v, metadata=meta)
+  return out
+
+
+def _check_format(fmt: str, allowed: tuple[str, ...]) -> None:
+  if fmt not in allowed:
+    raise UsageError('E-EXPORT-001', f'unknown export format {fmt!r}',
+                     f'use one of {", ".join(allowed)}')
