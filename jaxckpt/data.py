@@ -2,10 +2,12 @@
 
 The tokenizer is bytes (vocab 256). A corpus is the embedded default text, the user's own text
 files, or a pre-tokenized little-endian uint16 `.bin` (nanoGPT's format). The last
-`data.heldout_fraction` of the tokens is the held-out split.
+`data.heldout_fraction` of each source's tokens is its held-out split.
 
-A training batch is a pure function of (seed, step): resuming at step k needs no iterator state
-beyond k itself, and every process of a multi-host run can build the same global batch.
+Data comes from one or more named sources (`data.sources`: name -> paths); with several, the
+bandit (`jaxckpt.bandit`) picks the source of each step. A training batch is a pure function of
+(seed, step, source): resuming at step k needs no iterator state beyond k and the bandit's state,
+and every process of a multi-host run can build the same global batch.
 """
 
 from __future__ import annotations
@@ -45,27 +47,42 @@ def load_tokens(paths: Sequence[str]) -> np.ndarray:
 
 
 @dataclasses.dataclass
-class Dataset:
+class Source:
+  name: str
   train: np.ndarray    # uint16 tokens
   heldout: np.ndarray  # uint16 tokens
+
+
+@dataclasses.dataclass
+class Dataset:
+  sources: list[Source]  # the bandit's arms, in config order
   block_size: int
   batch_size: int
   seed: int
 
-  def batch(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+  @property
+  def names(self) -> list[str]:
+    return [s.name for s in self.sources]
+
+  def batch(self, step: int, source: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Inputs and targets of training step `step`, each (batch_size, block_size) int32."""
+    train = self.sources[source].train
     rng = np.random.default_rng([self.seed, step])
-    return _windows(self.train, rng.integers(0, len(self.train) - self.block_size - 1,
-                                             size=self.batch_size), self.block_size)
+    starts = rng.integers(0, len(train) - self.block_size - 1, size=self.batch_size)
+    return _windows(train, starts, self.block_size)
 
   def heldout_batches(self, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """`n` fixed held-out batches (the same ones every time, for comparable evaluations)."""
-    span = len(self.heldout) - self.block_size - 1
-    starts = np.linspace(0, span, n * self.batch_size, dtype=np.int64).reshape(n, -1)
-    return [_windows(self.heldout, s, self.block_size) for s in starts]
+    """`n` fixed held-out batches per source (the same every time, so evaluations compare)."""
+    out = []
+    for source in self.sources:
+      span = len(source.heldout) - self.block_size - 1
+      starts = np.linspace(0, span, n * self.batch_size, dtype=np.int64).reshape(n, -1)
+      out += [_windows(source.heldout, s, self.block_size) for s in starts]
+    return out
 
   def epoch(self, step: int) -> float:
-    return step * self.batch_size * self.block_size / len(self.train)
+    """Epochs of the (combined) training tokens seen by `step`."""
+    return step * self.batch_size * self.block_size / sum(len(s.train) for s in self.sources)
 
 
 def _windows(tokens: np.ndarray, starts: np.ndarray, block_size: int):
@@ -74,17 +91,24 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, block_size: int):
   return chunk[:, :-1], chunk[:, 1:]
 
 
-def from_config(cfg) -> Dataset:
-  tokens = load_tokens(list(cfg.data.paths))
+def _split(name: str, tokens: np.ndarray, cfg) -> Source:
   vocab = cfg.model.vocab_size
   if len(tokens) and int(tokens.max()) >= vocab:
-    raise ConfigError('E-DATA-002', f'the data has token id {int(tokens.max())} but '
+    raise ConfigError('E-DATA-002', f'data source {name} has token id {int(tokens.max())} but '
                       f'model.vocab_size={vocab}', 'raise model.vocab_size or fix the data')
   n_heldout = int(len(tokens) * cfg.data.heldout_fraction)
-  train, heldout = tokens[:len(tokens) - n_heldout], tokens[len(tokens) - n_heldout:]
+  source = Source(name, tokens[:len(tokens) - n_heldout], tokens[len(tokens) - n_heldout:])
   need = cfg.model.block_size + 2
-  if len(train) < need or len(heldout) < need:
-    raise ConfigError('E-DATA-003', f'the data has {len(tokens)} tokens, too few for '
+  if len(source.train) < need or len(source.heldout) < need:
+    raise ConfigError('E-DATA-003', f'data source {name} has {len(tokens)} tokens, too few for '
                       f'block_size {cfg.model.block_size} with heldout_fraction '
                       f'{cfg.data.heldout_fraction}', 'add data or shrink model.block_size')
-  return Dataset(train, heldout, cfg.model.block_size, cfg.train.batch_size, cfg.seed)
+  return source
+
+
+def from_config(cfg) -> Dataset:
+  if not cfg.data.sources:
+    raise ConfigError('E-DATA-004', 'data.sources is empty', 'name at least one source')
+  sources = [_split(name, load_tokens(list(paths)), cfg) for name, paths in
+             cfg.data.sources.items()]
+  return Dataset(sources, cfg.model.block_size, cfg.train.batch_size, cfg.seed)

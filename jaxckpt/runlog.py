@@ -64,8 +64,12 @@ class RunLog:
     data = ''.join(json.dumps(r, separators=(',', ':')) + '\n' for r in rows)
     if not data:
       return
-    with self._lock, open(self.workdir / name, 'a') as f:
-      f.write(data)
+    with self._lock, open(self.workdir / name, 'a+b') as f:
+      # A crash can leave the last line cut short; start on a fresh line so only that one
+      # record is lost, not the next one too.
+      if f.tell() and (f.seek(f.tell() - 1), f.read(1))[1] != b'\n':
+        data = '\n' + data
+      f.write(data.encode())
       f.flush()
       if sync:
         os.fsync(f.fileno())

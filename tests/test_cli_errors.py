@@ -65,7 +65,7 @@ def test_unlistable_checkpoint_location_is_an_error_not_a_fresh_start(trainer, t
     ('--config.train.steps=0', 'E-CONFIG-001'),
     ('--config.model.n_head=3', 'E-CONFIG-001'),
     ('--keep=-1', 'E-CONFIG-004'),
-    ('--config.data.paths=("/no/such/file.txt",)', 'E-DATA-001'),
+    ('--config.data.sources.main=("/no/such/file.txt",)', 'E-DATA-001'),
 ])
 def test_bad_input_is_one_line_and_exit_2(trainer, tmp_path, flag, code):
   assert_refused(trainer.run(tmp_path, flag), code)

@@ -81,8 +81,9 @@ def test_heldout_split_is_the_tail_and_disjoint():
   cfg = tiny.get_config()
   ds = data.from_config(cfg)
   corpus = data.embedded_corpus()
-  assert len(ds.train) + len(ds.heldout) == len(corpus)
-  assert bytes(ds.heldout.astype(np.uint8)) == corpus[len(ds.train):]
+  (main,) = ds.sources
+  assert len(main.train) + len(main.heldout) == len(corpus)
+  assert bytes(main.heldout.astype(np.uint8)) == corpus[len(main.train):]
   assert len(ds.heldout_batches(2)) == 2
 
 
@@ -95,6 +96,6 @@ def test_user_text_and_pretokenized_bin(tmp_path):
   assert data.load_tokens([str(tokens)]).max() == 4999
   cfg = tiny.get_config()
   with cfg.unlocked():
-    cfg.data.paths = (str(tokens),)
+    cfg.data.sources.main = (str(tokens),)
   with pytest.raises(ConfigError, match='E-DATA-002.*vocab_size'):
     data.from_config(cfg)

@@ -1,0 +1,77 @@
+"""One writer per run directory.
+
+`WORKDIR/LOCK` is held with `flock` for as long as the writer lives; the kernel releases it when
+the process dies, however it dies, so a lock left by a crashed or killed run is simply taken
+over. The file also records who holds it (pid, host, start time), for the error a second writer
+gets and for the `took over` note. flock works between processes of one machine; on a shared
+filesystem mounted by several machines, give each run its own workdir.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxckpt.errors import UsageError
+
+LOCK = 'LOCK'
+
+
+class WorkdirLock:
+  """`with WorkdirLock(workdir) as lock:` — raises `UsageError` E-LOCK-001 when already held."""
+
+  def __init__(self, workdir: str | os.PathLike):
+    self.path = Path(workdir) / LOCK
+    self.previous_holder: dict[str, Any] | None = None  # set when a dead holder's lock is taken
+    self._fd: int | None = None
+
+  def acquire(self) -> 'WorkdirLock':
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _read_holder(fd)
+      os.close(fd)
+      raise UsageError('E-LOCK-001', f'{self.path.parent} is in use by another trainer '
+                       f'(pid {holder.get("pid", "?")} on {holder.get("host", "?")}, since '
+                       f'{_when(holder.get("started_at"))})',
+                       'wait for it to finish or stop it (SIGTERM checkpoints and exits); '
+                       'one workdir has one writer') from None
+    holder = _read_holder(fd)
+    self.previous_holder = holder or None
+    me = {'pid': os.getpid(), 'host': socket.gethostname(), 'started_at': time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    os.fsync(fd)
+    self._fd = fd
+    return self
+
+  def release(self) -> None:
+    if self._fd is not None:
+      os.ftruncate(self._fd, 0)  # an empty file: nobody holds it
+      fcntl.flock(self._fd, fcntl.LOCK_UN)
+      os.close(self._fd)
+      self._fd = None
+
+  def __enter__(self) -> 'WorkdirLock':
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()
+
+
+def _read_holder(fd: int) -> dict[str, Any]:
+  try:
+    return json.loads(os.pread(fd, 4096, 0) or b'{}')
+  except ValueError:
+    return {}
+
+
+def _when(t: float | None) -> str:
+  return time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(t)) if t else 'an unknown time'

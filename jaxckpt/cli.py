@@ -1,0 +1,45 @@
+"""The `jaxckpt` command: tools that work on a run directory or a checkpoint.
+
+    jaxckpt inspect  CKPT [--json]          identity, step and every tensor, without loading arrays
+    jaxckpt verify   CKPT|WORKDIR           every file against its manifest
+    jaxckpt export   CKPT|FILE.bin --format=safetensors|hf|bin --out=PATH
+    jaxckpt evaluate --workdir=DIR [--follow]
+    jaxckpt pivot    --workdir=DIR          archive the phase's satellites; the next start is a new phase
+    jaxckpt plot     --workdir=DIR [--out=loss.png]
+
+Each subcommand lives in its own module and is imported only when used (jax is slow to import).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from jaxckpt import cli_support
+
+COMMANDS = {
+    'inspect': ('jaxckpt.inspection', 'inspect_main'),
+    'verify': ('jaxckpt.inspection', 'verify_main'),
+    'export': ('jaxckpt.export.offline', 'main'),
+    'evaluate': ('jaxckpt.evaluate', 'main'),
+    'pivot': ('jaxckpt.phases', 'pivot_main'),
+    'plot': ('jaxckpt.plot', 'main'),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if not argv or argv[0] in ('-h', '--help', 'help'):
+    print(__doc__.strip())
+    return 0
+  if argv[0] not in COMMANDS:
+    print(f'jaxckpt: E-USAGE-002: unknown command {argv[0]!r}; one of: {", ".join(COMMANDS)}',
+          file=sys.stderr)
+    return 2
+  module, func = COMMANDS[argv[0]]
+  run = getattr(importlib.import_module(module), func)
+  return cli_support.run_reporting_errors(lambda: run(argv[1:]))
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,84 @@
+"""Satellite files with phase lifetimes, and the pivot between phases.
+
+A run's life has two clocks. The loss history (`loss.jsonl`) lives as long as the run: it is
+never archived or reset. `samples.json` (recent generated samples, for audit) and `bandit.json`
+(a readable mirror of the data-source bandit) live for one *phase*. A pivot is a policy change,
+not a reset: on a stopped run, `jaxckpt pivot --workdir=DIR` archives the phase's satellites to
+`archive/phase-<k>/` and records a `pivot` event; the next start resumes weights, Adam m and v,
+the step and the loss history, with a fresh bandit under the (possibly new) config's floors and
+ceilings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from jaxckpt.checkpoint import layout
+from jaxckpt.checkpoint.lock import WorkdirLock
+from jaxckpt.errors import UsageError
+from jaxckpt.runlog import EVENTS, RunLog, read_jsonl
+
+SAMPLES = 'samples.json'
+BANDIT = 'bandit.json'
+ARCHIVE = 'archive'
+
+
+def current_phase(workdir: str | os.PathLike) -> int:
+  """Phases start at 0; each pivot starts the next."""
+  return sum(1 for e in read_jsonl(Path(workdir) / EVENTS) if e['event'] == 'pivot')
+
+
+def write_samples(workdir: Path, phase: int, step: int, texts: Sequence[str], keep: int) -> None:
+  path = workdir / SAMPLES
+  try:
+    old = json.loads(path.read_text())
+  except (OSError, ValueError):
+    old = {}
+  rounds = old.get('rounds', []) if old.get('phase') == phase else []
+  rounds = [r for r in rounds if r['step'] < step]  # a replayed step replaces its old round
+  rounds.append({'step': step, 'samples': list(texts)})
+  layout.write_json_durably(path, {'phase': phase, 'rounds': rounds[-keep:]})
+
+
+def write_bandit_mirror(workdir: Path, step: int, snapshot: Mapping[str, Any]) -> None:
+  layout.write_json_durably(workdir / BANDIT, {'step': step, **snapshot})
+
+
+def pivot(workdir: str | os.PathLike) -> tuple[int, list[str]]:
+  """Archive the phase's satellites of a stopped run; returns (new phase, archived names)."""
+  workdir = Path(workdir)
+  if not (workdir / 'checkpoints').is_dir():
+    raise UsageError('E-PIVOT-001', f'{workdir} has no checkpoints to pivot from',
+                     'pivot a run that has trained and stopped')
+  with WorkdirLock(workdir):  # refuses while a trainer runs here
+    ending = current_phase(workdir)
+    dest = workdir / ARCHIVE / f'phase-{ending}'
+    if dest.exists():
+      raise UsageError('E-PIVOT-002', f'{dest} already exists', 'move it away and pivot again')
+    dest.mkdir(parents=True)
+    archived = []
+    for name in (SAMPLES, BANDIT):
+      if (workdir / name).exists():
+        os.replace(workdir / name, dest / name)
+        archived.append(name)
+    layout.fsync_dir(dest)
+    layout.fsync_dir(workdir)
+    steps = layout.committed_steps(workdir / 'checkpoints')
+    RunLog(workdir).event('pivot', phase=ending + 1, archived=archived, archive=str(dest),
+                          step=max(steps) if steps else 0)
+  return ending + 1, archived
+
+
+def pivot_main(argv: list[str]) -> int:
+  parser = argparse.ArgumentParser(prog='jaxckpt pivot', description=__doc__.split('\n\n')[0])
+  parser.add_argument('--workdir', required=True, help='the stopped run to pivot')
+  args = parser.parse_args(argv)
+  phase, archived = pivot(args.workdir)
+  print(f'pivoted {args.workdir} to phase {phase}; archived '
+        f'{", ".join(archived) or "nothing"} to {ARCHIVE}/phase-{phase - 1}/. The next start '
+        'resumes weights, Adam state, step and loss history with a fresh bandit.')
+  return 0
