@@ -7,7 +7,9 @@ partition spec), and whatever identity the writer passes in (`metadata`).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import time
 import zlib
 from pathlib import Path
@@ -89,3 +91,64 @@ def verify(step_dir: Path, manifest: Mapping[str, Any] | None = None, *,
     elif checksums and (crc := crc32_file(path)[1]) != want['crc32']:
       problems.append(f'{rel}: checksum mismatch (crc32 {crc}, manifest says {want["crc32"]})')
   return problems
+
+
+# The manifest's own checksum. The files table protects every other file; this protects the
+# manifest itself, where a flipped bit in a shape, a knob or a size would otherwise go unnoticed.
+# It is the CRC-32 of the file's exact bytes with the seal's 8 hex digits written as zeros, so
+# even a change that parses to the same value (`1e-05` -> `1E-05`) is caught. The writer calls
+# `sealed_json(build(...))` instead of serializing the manifest itself.
+SEAL = 'manifest_crc32'
+_SEAL_RE = re.compile(rb'"manifest_crc32": "([0-9a-f]{8})"')
+_UNSEALED = b'00000000'
+
+
+def sealed_json(m: Mapping[str, Any]) -> bytes:
+  """The bytes of manifest.json for `m`, ending with its own checksum."""
+  text = (json.dumps({**{k: v for k, v in m.items() if k != SEAL}, SEAL: _UNSEALED.decode()},
+                     indent=1) + '\n').encode()
+  crc = f'{zlib.crc32(text):08x}'.encode()
+  start, end = list(_SEAL_RE.finditer(text))[-1].span(1)
+  return text[:start] + crc + text[end:]
+
+
+def check_seal(raw: bytes, m: Mapping[str, Any]) -> str | None:
+  """A problem line when manifest.json (`raw`, parsed as `m`) does not match its own checksum.
+
+  Manifests written before sealing existed carry no seal and pass, unless a key one character
+  away from the seal's name says that the seal's own name was damaged.
+  """
+  if SEAL not in m:
+    if any(len(k) == len(SEAL) and sum(a != b for a, b in zip(k, SEAL)) == 1 for k in m):
+      return f'{layout.MANIFEST}: its checksum entry is damaged'
+    return None
+  found = list(_SEAL_RE.finditer(raw))
+  if not found or found[-1].group(1).decode() != m[SEAL]:
+    return f'{layout.MANIFEST}: its checksum entry is damaged'
+  start, end = found[-1].span(1)
+  got = f'{zlib.crc32(raw[:start] + _UNSEALED + raw[end:]):08x}'
+  if got != m[SEAL]:
+    return f'{layout.MANIFEST}: checksum mismatch (crc32 {got}, manifest says {m[SEAL]})'
+  return None
+
+
+def check(step_dir: Path, *, checksums: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
+  """(manifest or None, problems) of a checkpoint: its manifest readable and matching its seal,
+  and every file matching the manifest (`verify`). Never raises for damage: it reports it."""
+  try:
+    raw = (step_dir / layout.MANIFEST).read_bytes()
+  except OSError as e:
+    return None, [f'{layout.MANIFEST}: missing or unreadable ({e.strerror or e}): not a '
+                  'committed checkpoint']
+  try:
+    m = read(step_dir)
+  except CheckpointError as e:
+    return None, [e.what]
+  problems = [p for p in (check_seal(raw, m),) if p]
+  try:
+    problems += verify(step_dir, m, checksums=checksums)
+  except CheckpointError as e:
+    problems.append(e.what)
+  except (KeyError, TypeError, AttributeError) as e:
+    problems.append(f'{layout.MANIFEST}: malformed files table ({type(e).__name__}: {e})')
+  return m, problems

@@ -1,0 +1,262 @@
+"""`jaxckpt evaluate`: the held-out loss of each committed checkpoint, in its own process.
+
+    jaxckpt evaluate --workdir=runs/tiny             every checkpoint not yet evaluated, then exit
+    jaxckpt evaluate --workdir=runs/tiny --follow    ... and keep watching for new commits; stop
+                                                     after the checkpoint of the run's last step
+
+Results go to `WORKDIR/evaluated.json`, `{"<step>": {heldout_loss, evaluated_at, path,
+committed_at}}`, rewritten atomically after each checkpoint, so each checkpoint is evaluated
+once, across restarts of the evaluator too (a step whose checkpoint was re-written by a resumed
+run, with a new `committed_at`, is evaluated again). The evaluator reads the weights alone (never
+the optimizer state) of committed checkpoints alone (never a temporary directory), never writes
+or deletes a checkpoint, and takes no lock the trainer needs; one evaluator per workdir
+(`evaluated.json.lock`).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from jaxckpt.errors import CheckpointError, ConfigError, UsageError
+from jaxckpt.inspection import ArgumentParser
+
+RESULTS = 'evaluated.json'
+
+
+def _is_params(name: str) -> bool:
+  return name.startswith('params/')
+
+
+def read_results(workdir: str | os.PathLike) -> dict[str, dict[str, Any]]:
+  try:
+    return json.loads((Path(workdir) / RESULTS).read_text())
+  except FileNotFoundError:
+    return {}
+  except ValueError as e:  # written atomically, so only a foreign hand can damage it
+    raise UsageError('E-EVAL-002', f'{Path(workdir) / RESULTS} is not valid JSON ({e})',
+                     'move it away; the evaluator then evaluates every checkpoint again') from e
+
+
+class Evaluator:
+  """Evaluates the committed checkpoints of one run that `evaluated.json` does not have yet.
+
+  Each checkpoint is evaluated with the config recorded in its manifest.
+
+  Args:
+    workdir: the run's directory (checkpoints under `workdir/checkpoints`).
+    config: a ConfigDict supplying the fields a checkpoint's config lacks (older versions).
+    log, warn: where progress lines and warnings go.
+  """
+
+  def __init__(self, workdir: str | os.PathLike, *, config=None,
+               log: Callable[[str], None] = print,
+               warn: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)):
+    from jaxckpt.checkpoint import CheckpointManager  # jax: only once we evaluate
+    self.workdir = Path(workdir)
+    self.mgr = CheckpointManager(self.workdir / 'checkpoints', writer=False)
+    self.config, self.log, self.warn = config, log, warn
+    self.results = read_results(self.workdir)
+    self._trainers: dict[str, Any] = {}
+    self._failed: set[tuple[int, Any]] = set()  # (step, committed_at) of damaged ones: warned once
+
+  # -------------------------------------------------------------------------- the model
+  def _trainer_and_data(self, saved_config: dict[str, Any]):
+    import ml_collections
+    from jaxckpt import data as data_lib
+    base = self.config.to_dict() if self.config is not None else {}
+    config = ml_collections.ConfigDict(_merge(base, saved_config))
+    key = _eval_key(config)
+    if key not in self._trainers:
+      self._trainers.clear()  # one model in memory at a time
+      try:
+        self._trainers[key] = (_build_trainer(config), data_lib.from_config(config))
+      except (AttributeError, KeyError) as e:
+        raise UsageError('E-EVAL-004', f'the checkpoint\'s config lacks a field this jaxckpt '
+                         f'needs ({e}); it was written by an older version',
+                         'pass --config=configs/<its config>.py: the file supplies the fields '
+                         'the checkpoint does not have') from e
+    return self._trainers[key]
+
+  # ------------------------------------------------------------------------ the results
+  def _skip(self, step: int, committed_at: Any, why: str) -> None:
+    if (step, committed_at) not in self._failed:
+      self._failed.add((step, committed_at))
+      self.warn(f'jaxckpt: step {step}: not evaluated: {why}')
+
+  def pending(self) -> list[tuple[int, Path, dict[str, Any]]]:
+    """(step, directory, manifest) of the committed checkpoints not evaluated yet, ascending."""
+    out = []
+    for step, path in _committed(self.mgr.directory).items():
+      try:
+        meta = self.mgr.read_manifest(path)
+      except (CheckpointError, OSError) as e:
+        if path.exists():  # else deleted by retention since it was listed
+          self._skip(step, None, str(e))
+        continue
+      done = self.results.get(str(step))
+      if done is not None and done.get('committed_at') == meta.get('committed_at'):
+        continue
+      if (step, meta.get('committed_at')) not in self._failed:
+        out.append((step, path, meta))
+    return out
+
+  def evaluate(self, step: int, path: Path, meta: dict[str, Any]) -> float | None:
+    """The held-out loss of one checkpoint, recorded; None when it vanished or is damaged."""
+    from jaxckpt import train
+    from jaxckpt.checkpoint import layout
+    trainer, dataset = self._trainer_and_data(meta.get('config') or {})
+    target = {'params': trainer.abstract_state().params}
+    try:
+      state, _ = self.mgr.restore(path, target, only=_is_params)
+    except Exception as e:  # pylint: disable=broad-except
+      if not path.exists():  # retention renames before it deletes: gone, not damaged
+        self.warn(f'jaxckpt: step {step}: {path} was deleted (retention) before it could be '
+                  'evaluated; skipped')
+        return None
+      if not isinstance(e, CheckpointError):
+        raise
+      self._skip(step, meta.get('committed_at'), e.line())
+      return None
+    loss = train.evaluate(trainer, state['params'], dataset)
+    self.results[str(step)] = {'heldout_loss': loss, 'evaluated_at': time.time(),
+                               'path': str(path), 'committed_at': meta.get('committed_at')}
+    layout.write_json_durably(self.workdir / RESULTS,
+                              dict(sorted(self.results.items(), key=lambda kv: int(kv[0]))))
+    self.log(f'step {step}: heldout_loss {loss:.6f}  ({path})')
+    return loss
+
+  def run_once(self) -> tuple[list[int], bool]:
+    """Evaluate everything pending. Returns (steps evaluated, whether the run is finished and
+    its last checkpoint evaluated)."""
+    done = []
+    for step, path, meta in self.pending():
+      if self.evaluate(step, path, meta) is not None:
+        done.append(step)
+    return done, self.finished()
+
+  def finished(self) -> bool:
+    """The newest committed checkpoint says `finished` and has been evaluated."""
+    steps = _committed(self.mgr.directory)
+    if not steps:
+      return False
+    step = max(steps)
+    try:
+      meta = self.mgr.read_manifest(steps[step])
+    except (CheckpointError, OSError):
+      return False
+    done = self.results.get(str(step))
+    return bool(meta.get('finished')) and done is not None and \
+        done.get('committed_at') == meta.get('committed_at')
+
+  def follow(self, poll_secs: float = 2.0, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Evaluate new commits as they appear; return after the run's finished checkpoint."""
+    waiting_said = False
+    while True:
+      _, finished = self.run_once()
+      if finished:
+        return
+      if not waiting_said:
+        self.log(f'waiting for new checkpoints in {self.mgr.directory} (every {poll_secs:g} s)')
+        waiting_said = True
+      sleep(poll_secs)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+  """`base` with every field of `over` (recursively) put over it."""
+  out = dict(base)
+  for k, v in over.items():
+    out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+  return out
+
+
+def _committed(ckpt_dir: Path) -> dict[int, Path]:
+  from jaxckpt.checkpoint import layout
+  return layout.committed_steps(ckpt_dir)
+
+
+def _eval_key(config) -> str:
+  """What the evaluated loss depends on: a knob like train.steps must not rebuild or recompile."""
+  d = config.to_dict()
+  t = d.get('train', {})
+  return json.dumps([d.get('model'), d.get('data'), d.get('mesh'), d.get('seed'),
+                     t.get('batch_size'), t.get('eval_batches')], sort_keys=True, default=str)
+
+
+def _build_trainer(config):
+  """A trainer on this machine's devices: the run's mesh when it fits, else one device."""
+  import jax
+  from jaxckpt import train
+  try:
+    return train.build_trainer(config)
+  except ConfigError:  # written on more devices (or another mesh) than this process has
+    config.mesh.data, config.mesh.model = 1, 1
+    return train.build_trainer(config, devices=jax.devices()[:1])
+
+
+class _EvaluatorLock:
+  """One evaluator per workdir: two would both evaluate every checkpoint."""
+
+  def __init__(self, workdir: Path):
+    self.path = workdir / f'{RESULTS}.lock'
+    self.fd: int | None = None
+
+  def __enter__(self):
+    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      os.close(self.fd)
+      raise UsageError('E-EVAL-001', f'another evaluator is running on {self.path.parent}',
+                       'let it finish, or stop it first; one evaluator per workdir') from None
+    return self
+
+  def __exit__(self, *exc):
+    os.close(self.fd)
+    return False
+
+
+def main(argv: list[str]) -> int:
+  """`jaxckpt evaluate --workdir=DIR [--follow] [--poll_secs=2] [--config=PATH]`."""
+  parser = ArgumentParser(prog='jaxckpt evaluate', description='Held-out loss of each committed '
+                          'checkpoint of a run, recorded in WORKDIR/evaluated.json.')
+  parser.add_argument('--workdir', required=True, help='the run directory')
+  parser.add_argument('--follow', action='store_true', help='keep watching for new '
+                      'checkpoints; stop after the one of the run\'s last step')
+  parser.add_argument('--poll_secs', type=float, default=2.0, help='seconds between looks for '
+                      'new checkpoints (with --follow)')
+  parser.add_argument('--config', default=None, help="a config file that supplies the fields a "
+                      "checkpoint's own config lacks (one written by an older jaxckpt)")
+  args = parser.parse_args(argv)
+  if args.poll_secs <= 0:
+    parser.error('--poll_secs must be positive')
+  workdir = Path(args.workdir)
+  if not workdir.is_dir():
+    if not args.follow:
+      raise UsageError('E-EVAL-003', f'{workdir} does not exist', 'pass the --workdir of a run '
+                       '(or --follow to wait for a run to start there)')
+    workdir.mkdir(parents=True, exist_ok=True)
+  config = None
+  if args.config is not None:
+    from jaxckpt.identity import load_config_file
+    config = load_config_file(args.config)
+  from jaxckpt import cli_support
+  cli_support.configure_logging()
+  with _EvaluatorLock(workdir):
+    ev = Evaluator(workdir, config=config, log=lambda s: print(s, flush=True))
+    try:
+      if args.follow:
+        ev.follow(args.poll_secs)
+        print(f'the run in {workdir} is finished; all its checkpoints are evaluated', flush=True)
+      else:
+        ev.run_once()
+    except KeyboardInterrupt:  # what was evaluated is recorded; a restart continues from there
+      print(f'jaxckpt: evaluate stopped; {len(ev.results)} checkpoint(s) recorded in '
+            f'{workdir / RESULTS}', file=sys.stderr, flush=True)
+      return 130
+  return 0

@@ -1,0 +1,348 @@
+"""`jaxckpt inspect` and `jaxckpt verify`: what a checkpoint is, and whether it is intact.
+
+    jaxckpt inspect runs/tiny/checkpoints/step_00000300          identity, knobs, every tensor
+    jaxckpt inspect runs/tiny/checkpoints/step_00000300 --json   the same for scripts
+    jaxckpt verify runs/tiny                                     every checkpoint of the run
+    jaxckpt verify runs/tiny/checkpoints/step_00000300 --no-checksums
+
+`inspect` reads manifest.json and nothing else: no array is loaded and jax is not imported (so it
+answers in well under a second for any size of model). `verify` checks every file of a checkpoint
+against the manifest (size and CRC-32) and the manifest against its own checksum; it exits 0 when
+everything is intact and 1 otherwise. `latest_intact` is what `--resume=latest` uses: the newest
+committed checkpoint that passes, with the newer ones it had to pass over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from jaxckpt.errors import CheckpointError, ResumeError, UsageError
+
+# Mirrors of jaxckpt.checkpoint.{manifest,layout} constants. Importing those modules imports
+# jaxckpt.checkpoint, whose __init__ imports jax and orbax (seconds); `inspect` must not.
+# tests/test_inspection.py keeps them equal.
+MANIFEST = 'manifest.json'
+FORMAT = 'jaxckpt.checkpoint'
+FORMAT_VERSION = 1
+_DEBRIS_MARKS = ('.tmp-', '.deleting-')
+
+NOT_A_CHECKPOINT = 'E-CKPT-010'
+
+_ITEMSIZE = {'bool': 1, 'int8': 1, 'uint8': 1, 'int16': 2, 'uint16': 2, 'float16': 2,
+             'bfloat16': 2, 'int32': 4, 'uint32': 4, 'float32': 4, 'int64': 8, 'uint64': 8,
+             'float64': 8, 'complex64': 8, 'complex128': 16}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse, but bad usage is one line `jaxckpt: E-USAGE-001: ...` and exit 2."""
+
+  def error(self, message: str):
+    raise UsageError('E-USAGE-001', f'{self.prog}: {message}', f'see `{self.prog} --help`')
+
+
+# ------------------------------------------------------------------------------- reading
+def _newest_under(path: Path) -> Path | None:
+  """The newest committed checkpoint in `path` or `path/checkpoints`, for a helpful error."""
+  for root in (path / 'checkpoints', path):
+    try:
+      steps = sorted(p for p in root.iterdir() if p.name.startswith('step_')
+                     and p.name[5:].isdigit() and (p / MANIFEST).is_file())
+    except OSError:
+      continue
+    if steps:
+      return steps[-1]
+  return None
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+  """`path` as a committed checkpoint directory, or a `UsageError` that says what it is instead."""
+  path = Path(path)
+  if path.is_file() and path.name == MANIFEST:
+    path = path.parent
+  if not path.exists():
+    raise UsageError(NOT_A_CHECKPOINT, f'{path} does not exist', 'pass a checkpoints/step_<n> '
+                     'directory')
+  if not path.is_dir():
+    raise UsageError(NOT_A_CHECKPOINT, f'{path} is a file, not a checkpoint directory',
+                     'pass a checkpoints/step_<n> directory')
+  if any(mark in path.name for mark in _DEBRIS_MARKS):
+    raise UsageError(NOT_A_CHECKPOINT, f'{path} is not a complete checkpoint: it is a temporary '
+                     'or half-deleted directory left by a writer', 'pass a committed '
+                     'checkpoints/step_<n> directory (the next writer removes this one)')
+  if not (path / MANIFEST).is_file():
+    newest = _newest_under(path)
+    fix = (f'did you mean {newest}?' if newest is not None else
+           'pass a committed checkpoints/step_<n> directory')
+    what = ('is a run or checkpoints directory, not a checkpoint' if newest is not None else
+            'is not a complete checkpoint: it has no manifest.json (written last, the commit '
+            'marker), so its save never finished or the manifest was lost')
+    raise UsageError(NOT_A_CHECKPOINT, f'{path} {what}', fix)
+  return path
+
+
+def read_manifest(step_dir: Path) -> dict[str, Any]:
+  """manifest.json of a checkpoint, checked like `jaxckpt.checkpoint.manifest.read`."""
+  try:
+    m = json.loads((step_dir / MANIFEST).read_bytes())
+  except (OSError, ValueError) as e:
+    raise CheckpointError('E-CKPT-004', f'cannot read {step_dir / MANIFEST}: {e}',
+                          'the file is missing or corrupt; run `jaxckpt verify` on it') from e
+  if not isinstance(m, dict) or m.get('format') != FORMAT:
+    raise CheckpointError('E-CKPT-004', f'{step_dir}: manifest.json is not a jaxckpt manifest',
+                          'point at a step_<n> directory written by jaxckpt')
+  if m.get('format_version', 0) > FORMAT_VERSION:
+    raise CheckpointError('E-CKPT-006', f'{step_dir}: manifest format {m["format_version"]} is '
+                          f'newer than this jaxckpt understands ({FORMAT_VERSION})',
+                          'upgrade jaxckpt')
+  return m
+
+
+def describe(step_dir: Path, m: Mapping[str, Any]) -> dict[str, Any]:
+  """The manifest, plus: its path, each tensor's `trainable`, each parameter's flat offset."""
+  out = {'path': str(step_dir), **m}
+  params = m.get('parameters')
+  trainable = {}
+  if params is not None:
+    rows, offset = [], 0
+    for row in params:
+      count = math.prod(row['shape'])
+      rows.append({**row, 'offset': offset, 'size': count})
+      trainable[row['path']] = row.get('trainable')
+      offset += count
+    out['parameters'] = rows
+  tensors = []
+  for t in m.get('tensors') or []:
+    name = t['name']
+    if name.startswith('params/'):
+      flag = trainable.get(name[len('params/'):].replace('/', '.')) if params is not None else None
+    else:
+      flag = False  # optimizer state and counters: not parameters, never trained
+    tensors.append({**t, 'trainable': flag})
+  out['tensors'] = tensors
+  return out
+
+
+# ------------------------------------------------------------------------------- inspect
+def _table(rows: list[list[str]], indent: str = '  ') -> list[str]:
+  if not rows:
+    return []
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return [indent + '  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _bytes(t: Mapping[str, Any]) -> int | None:
+  size = _ITEMSIZE.get(t.get('dtype'))
+  return None if size is None else size * math.prod(t['shape'])
+
+
+def _shape(shape) -> str:
+  return '(' + ', '.join(str(d) for d in shape) + (',)' if len(shape) == 1 else ')')
+
+
+def render(d: Mapping[str, Any]) -> str:
+  """The human-readable form of `describe(...)`."""
+  lines = [f'checkpoint  {d["path"]}',
+           f'step        {d.get("step")}' + ('  (finished: the run\'s last step)'
+                                             if d.get('finished') else '')]
+  if d.get('committed_at') is not None:
+    lines.append('committed   ' + time.strftime('%Y-%m-%d %H:%M:%S UTC',
+                                                time.gmtime(d['committed_at'])))
+  if 'seed' in d:
+    lines.append(f'seed        {d["seed"]}')
+  where = [f'mesh {d["mesh"]}' if d.get('mesh') is not None else '',
+           f'devices {d["devices"]}' if d.get('devices') is not None else '',
+           f'processes {d["processes"]}' if d.get('processes') is not None else '',
+           f'platform {d["platform"]}' if d.get('platform') is not None else '']
+  if any(where):
+    lines.append('placement   ' + ', '.join(w for w in where if w))
+  if d.get('counters'):
+    lines.append('counters    ' + ', '.join(f'{k} {v}' for k, v in d['counters'].items()))
+  if d.get('init_from'):
+    pin = d['init_from']
+    lines.append(f'init_from   {pin["path"]} ({pin["size"]:,} bytes, sha256 {pin["sha256"]})')
+  if d.get('versions'):
+    lines.append('versions    ' + ', '.join(f'{k} {v}' for k, v in d['versions'].items()))
+
+  knobs = d.get('knobs')
+  if knobs is None and d.get('config') is not None:  # a manifest from before knob tables
+    from jaxckpt.identity import flatten_config
+    knobs = {k: {'value': v, 'source': '?'} for k, v in flatten_config(d['config']).items()}
+  if knobs:
+    lines += ['', f'knobs ({len(knobs)})']
+    lines += _table([[k, json.dumps(v['value']), v['source']] for k, v in knobs.items()])
+  if d.get('sources'):
+    lines += ['', f'sources ({len(d["sources"])}, sha256)']
+    lines += _table([[h[:12], p] for p, h in d['sources'].items()])
+  if d.get('optimizer'):
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for param, states in d['optimizer'].items():
+      groups.setdefault(tuple(states), []).append(param)
+    lines += ['', 'optimizer state']
+    lines += _table([[', '.join(states) or '(none)',
+                      params[0] if len(params) == 1 else f'{len(params)} parameters']
+                     for states, params in groups.items()])
+
+  if d.get('parameters') is not None:
+    total = sum(r['size'] for r in d['parameters'])
+    lines += ['', f'parameters ({len(d["parameters"])}, {total:,} elements; offset = element '
+              'offset in the flat .bin export)']
+    lines += _table([['offset', 'name', 'dtype', 'shape', 'spec', 'trainable']] + [
+        [f'{r["offset"]:,}', r['path'], r['dtype'], _shape(r['shape']), str(r.get('spec')),
+         {True: 'yes', False: 'frozen'}.get(r.get('trainable'), '?')]
+        for r in d['parameters']])
+  tensors = d.get('tensors') or []
+  nbytes = sum(_bytes(t) or 0 for t in tensors)
+  lines += ['', f'tensors ({len(tensors)}, {nbytes:,} bytes)']
+  lines += _table([['name', 'dtype', 'shape', 'spec', 'trainable']] + [
+      [t['name'], t['dtype'], _shape(t['shape']), str(t.get('spec')),
+       '-' if not t['name'].startswith('params/') else  # optimizer state, counters
+       {True: 'yes', False: 'frozen'}.get(t['trainable'], '?')] for t in tensors])
+  files = d.get('files') or {}
+  lines += ['', f'files ({len(files)}, {sum(f["size"] for f in files.values()):,} bytes; '
+            '`jaxckpt verify` checks them)']
+  return '\n'.join(lines)
+
+
+def inspect_main(argv: list[str]) -> int:
+  """`jaxckpt inspect CKPT [--json]`."""
+  parser = ArgumentParser(prog='jaxckpt inspect', description='Print what a checkpoint is, '
+                          'from its manifest.json alone (no array is loaded).')
+  parser.add_argument('checkpoint', help='a checkpoints/step_<n> directory')
+  parser.add_argument('--json', action='store_true', help='one JSON object, for scripts')
+  args = parser.parse_args(argv)
+  step_dir = checkpoint_dir(args.checkpoint)
+  d = describe(step_dir, read_manifest(step_dir))
+  print(json.dumps(d, indent=1) if args.json else render(d))
+  return 0
+
+
+# -------------------------------------------------------------------------------- verify
+def check(step_dir: Path, *, checksums: bool = True) -> list[str]:
+  """Problems of one checkpoint directory ([] when intact)."""
+  from jaxckpt.checkpoint import manifest  # imports jax: only verify pays for it
+  return manifest.check(step_dir, checksums=checksums)[1]
+
+
+def _step_dirs(root: Path) -> tuple[dict[int, Path], list[Path]]:
+  """({step: committed dir}, [uncommitted step dirs]) under a checkpoints directory."""
+  from jaxckpt.checkpoint import layout
+  committed = layout.committed_steps(root)
+  uncommitted = [p for p in layout.debris(root) if layout.parse_step(p.name) is not None]
+  return committed, uncommitted
+
+
+def latest_intact(ckpt_dir: str | Path, *,
+                  checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+  """The newest committed checkpoint under `ckpt_dir` that passes verification.
+
+  Returns (path or None when none passes, [(path, problem)] of the newer ones passed over,
+  newest first): the caller warns for each. Step directories without a manifest that are newer
+  than the one chosen are reported too (an interrupted save, or a lost manifest). A location
+  that cannot be listed raises `ResumeError` E-RESUME-002, never "no checkpoint".
+  """
+  committed, uncommitted = _step_dirs(Path(ckpt_dir))
+  from jaxckpt.checkpoint import layout
+  candidates = sorted([(s, p, None) for s, p in committed.items()] +
+                      [(layout.parse_step(p.name), p, 'not committed') for p in uncommitted],
+                      key=lambda c: c[0], reverse=True)
+  skipped: list[tuple[Path, str]] = []
+  for _, path, state in candidates:
+    if state is not None:
+      skipped.append((path, 'not committed: no manifest.json (an interrupted save, or its '
+                      'manifest was lost)'))
+      continue
+    problems = check(path, checksums=checksums)
+    if not problems:
+      return path, skipped
+    skipped.append((path, problems[0] + (f' (+{len(problems) - 1} more)'
+                                         if len(problems) > 1 else '')))
+  return None, skipped
+
+
+def latest_intact_or_raise(ckpt_dir: str | Path, *, checksums: bool = True
+                           ) -> tuple[Path | None, list[tuple[Path, str]]]:
+  """`latest_intact`, for `--resume=latest`: None (start fresh) only when no checkpoint was ever
+  committed; committed checkpoints none of which is intact raise ResumeError E-RESUME-004
+  instead of silently starting over them."""
+  path, skipped = latest_intact(ckpt_dir, checksums=checksums)
+  damaged = [(p, why) for p, why in skipped if not why.startswith('not committed')]
+  if path is None and damaged:
+    raise ResumeError('E-RESUME-004', f'none of the {len(damaged)} committed checkpoint(s) in '
+                      f'{ckpt_dir} is intact (newest: {damaged[0][0].name}: {damaged[0][1]})',
+                      'see `jaxckpt verify` on the workdir; restore the files, or start over in '
+                      'a new --workdir')
+  return path, skipped
+
+
+def verify_or_raise(path: str | Path, *, checksums: bool = True) -> Path:
+  """`path` if it is a committed, intact checkpoint (for an explicit `--resume=PATH`).
+
+  Raises ResumeError E-RESUME-003 when it is not a committed checkpoint, CheckpointError
+  E-CKPT-003 when a file does not match the manifest.
+  """
+  from jaxckpt.checkpoint import layout
+  path = Path(path)
+  if not (path / layout.MANIFEST).is_file() or layout.parse_step(path.name) is None:
+    raise ResumeError('E-RESUME-003', f'--resume={path} is not a committed checkpoint '
+                      '(a step_<n> directory with a manifest.json)',
+                      'use --resume=latest, --resume=none, or the path of a step_<n> directory')
+  problems = check(path, checksums=checksums)
+  if problems:
+    raise CheckpointError('E-CKPT-003', f'{path} is damaged: {problems[0]}'
+                          + (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
+                          'resume from another checkpoint (`jaxckpt verify WORKDIR` lists the '
+                          'intact ones), or --resume=latest to take the newest intact one')
+  return path
+
+
+def verify_main(argv: list[str]) -> int:
+  """`jaxckpt verify CKPT|WORKDIR [--no-checksums]`: exit 0 when all is intact, else 1."""
+  parser = ArgumentParser(prog='jaxckpt verify', description='Check every file of a checkpoint '
+                          '(or of every checkpoint of a run) against its manifest.')
+  parser.add_argument('path', help='a checkpoints/step_<n> directory, a run directory, or its '
+                      'checkpoints/ directory')
+  parser.add_argument('--no-checksums', dest='checksums', action='store_false',
+                      help='compare sizes only (fast; misses flipped bits)')
+  args = parser.parse_args(argv)
+  path = Path(args.path)
+  if not path.is_dir():
+    raise UsageError(NOT_A_CHECKPOINT, f'{path} does not exist' if not path.exists() else
+                     f'{path} is a file, not a checkpoint or run directory',
+                     'pass a checkpoints/step_<n> directory or a run directory')
+  from jaxckpt.checkpoint import layout
+  uncommitted: list[Path] = []
+  if (path / MANIFEST).is_file():
+    targets = [path]
+  elif layout.parse_step(path.name) is not None or any(m in path.name for m in _DEBRIS_MARKS):
+    print(f'FAIL {path}: not a committed checkpoint: no manifest.json (an interrupted save, '
+          'or its manifest was lost)')
+    return 1
+  else:
+    root = path / 'checkpoints' if (path / 'checkpoints').is_dir() else path
+    committed, uncommitted = _step_dirs(root)
+    targets = list(committed.values())
+    if not targets and not uncommitted:
+      raise UsageError(NOT_A_CHECKPOINT, f'{path} holds no checkpoint (looked in {root})',
+                       'pass a checkpoints/step_<n> directory or a run directory')
+  bad = 0
+  for target in targets:
+    problems = check(target, checksums=args.checksums)
+    if problems:
+      bad += 1
+      for problem in problems:
+        print(f'FAIL {target}: {problem}')
+    else:
+      print(f'OK {target}' + ('' if args.checksums else ' (sizes only)'))
+  for p in uncommitted:
+    print(f'SKIP {p}: not committed (no manifest.json): an interrupted save or a lost manifest; '
+          'never resumed from, removed by the next writer')
+  if not targets:
+    print(f'FAIL {path}: no committed checkpoint')
+    return 1
+  return 1 if bad else 0
+

@@ -1,0 +1,302 @@
+"""`jaxckpt inspect` and `jaxckpt verify` on real checkpoints, and the corruption matrix."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import pytest
+
+from conftest import REPO, subprocess_env
+from jaxckpt import cli, identity, inspection, model as model_lib, train
+from jaxckpt.checkpoint import CheckpointManager, layout, manifest
+from jaxckpt.checkpoint.manager import named_leaves, tensor_table
+from jaxckpt.errors import CheckpointError, ResumeError
+
+STEP_10, STEP_20 = layout.step_dirname(10), layout.step_dirname(20)
+
+
+@pytest.fixture(scope='module')
+def run(trainer, tmp_path_factory):
+  """A real tiny run with checkpoints at steps 10 and 20."""
+  workdir = tmp_path_factory.mktemp('inspect-run')
+  r = trainer.run(workdir, '--config.train.steps=20', '--checkpoint_every=10', '--keep=0')
+  assert r.returncode == 0, r.stderr
+  return workdir
+
+
+@pytest.fixture(scope='module')
+def pristine(run, tmp_path_factory):
+  """A copy of the run whose manifests carry their own checksum.
+
+  The writer seals manifests once `CheckpointManager._write` writes `manifest.sealed_json(...)`;
+  until then this copy is sealed here, as the writer would have.
+  """
+  workdir = tmp_path_factory.mktemp('pristine') / 'run'
+  shutil.copytree(run / 'checkpoints', workdir / 'checkpoints')
+  for step_dir in layout.committed_steps(workdir / 'checkpoints').values():
+    m = manifest.read(step_dir)
+    if manifest.SEAL not in m:
+      layout.write_file_durably(step_dir / layout.MANIFEST, manifest.sealed_json(m))
+  return workdir
+
+
+def call(argv, capsys):
+  """(exit code, stdout, stderr) of a subcommand run like `jaxckpt` runs it."""
+  try:
+    code = cli.main(argv)
+  except SystemExit as e:
+    code = e.code
+  out = capsys.readouterr()
+  return code, out.out, out.err
+
+
+def test_constants_mirror_the_checkpoint_library():
+  assert inspection.MANIFEST == layout.MANIFEST
+  assert (inspection.FORMAT, inspection.FORMAT_VERSION) == (manifest.FORMAT,
+                                                            manifest.FORMAT_VERSION)
+
+
+# ------------------------------------------------------------------------------- inspect
+def test_inspect_prints_identity_and_every_tensor(run, capsys):
+  step_dir = run / 'checkpoints' / STEP_20
+  code, out, _ = call(['inspect', str(step_dir)], capsys)
+  assert code == 0
+  m = manifest.read(step_dir)
+  assert f'checkpoint  {step_dir}' in out and 'step        20  (finished' in out
+  assert 'devices 1' in out and 'jax ' + jax.__version__ in out
+  assert 'train.steps' in out and 'checkpoint.every' in out
+  for t in m['tensors']:  # every tensor: name, dtype, shape, spec
+    line = next(l for l in out.splitlines() if l.split()[:1] == [t['name']])
+    assert t['dtype'] in line and inspection._shape(t['shape']) in line and str(t['spec']) in line
+  if 'parameters' in m:  # once the trainer records identities
+    assert 'offset' in out and 'h.0.attn.c_attn.kernel' in out and 'sha256' in out
+
+
+def test_inspect_json(run, capsys):
+  step_dir = run / 'checkpoints' / STEP_10
+  code, out, _ = call(['inspect', str(step_dir), '--json'], capsys)
+  assert code == 0
+  d = json.loads(out)
+  m = manifest.read(step_dir)
+  assert d['path'] == str(step_dir) and d['step'] == 10 and d['finished'] is False
+  assert [t['name'] for t in d['tensors']] == [t['name'] for t in m['tensors']]
+  for t in d['tensors']:
+    assert {'name', 'dtype', 'shape', 'spec', 'trainable'} <= set(t)
+    if not t['name'].startswith('params/'):
+      assert t['trainable'] is False
+  assert d['config'] == m['config'] and d['versions'] == m['versions']
+
+
+@pytest.fixture(scope='module')
+def andrea_120m(tmp_path_factory):
+  """A manifest for the andrea_120m config, built from shapes alone (jax.eval_shape)."""
+  config = identity.load_config_file(REPO / 'configs' / 'andrea_120m.py')
+  trainer = train.build_trainer(config)
+  state = trainer.abstract_state()
+  meta = identity.build(config=config, params=state.params, opt_state=state.opt_state,
+                        partition_specs=trainer.state_shardings.params,
+                        mesh_shape=dict(trainer.mesh.shape), devices=8,
+                        trainable=identity.trainable_fn(['wpe.*']),
+                        knobs=identity.knob_table(config), sources=identity.source_hashes(None),
+                        counters={'step': 50_000, 'tokens_seen': 50_000 * 32 * 1024},
+                        finished=True)
+  step_dir = tmp_path_factory.mktemp('andrea_120m') / layout.step_dirname(50_000)
+  step_dir.mkdir()
+  m = manifest.build(50_000, {}, tensor_table(named_leaves(state)), meta)
+  (step_dir / layout.MANIFEST).write_bytes(manifest.sealed_json(m))
+  return config, step_dir
+
+
+def test_inspect_andrea_120m_loads_nothing_heavy(andrea_120m, compile_cache):
+  config, step_dir = andrea_120m
+  probe = ('import sys, time\n'
+           't = time.perf_counter()\n'
+           'from jaxckpt import cli\n'
+           f'cli.main(["inspect", {str(step_dir)!r}])\n'
+           f'cli.main(["inspect", {str(step_dir)!r}, "--json"])\n'
+           'heavy = [m for m in ("jax", "jaxlib", "flax", "orbax", "optax", "numpy", "tensorstore")'
+           ' if m in sys.modules]\n'
+           'print("HEAVY", heavy, "SECONDS", time.perf_counter() - t, file=sys.stderr)\n')
+  t0 = time.perf_counter()
+  r = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True,
+                     env=subprocess_env(compile_cache), timeout=60)
+  wall = time.perf_counter() - t0
+  assert r.returncode == 0, r.stderr
+  assert 'HEAVY [] ' in r.stderr, r.stderr
+  print(f'inspect andrea_120m: {wall:.2f} s wall with interpreter start; {r.stderr.split()[-1]} '
+        's in-process for both forms')
+  text, js = r.stdout.split('\n{\n', 1)
+  assert '121,316,064 elements' in text
+  d = json.loads('{\n' + js)
+  names = model_lib.parameter_names(config.model)
+  assert [p['path'] for p in d['parameters']] == names
+  offset = 0  # offsets are those of the flat .bin: cumulative element counts in canonical order
+  for p in d['parameters']:
+    assert p['offset'] == offset
+    offset += math.prod(p['shape'])
+  assert offset == model_lib.count_params(config.model) == 121_316_064
+  by_name = {t['name']: t for t in d['tensors']}
+  assert by_name['params/wpe/embedding']['trainable'] is False
+  assert by_name['params/wte/embedding']['trainable'] is True
+  assert by_name['params/wte/embedding']['spec'] == "('model', None)"
+  assert d['optimizer']['h.11.mlp.c_fc.kernel'] == ['1/0/mu', '1/0/nu']
+
+
+@pytest.mark.parametrize('make, words', [
+    (lambda root: root / 'nowhere', 'does not exist'),
+    (lambda root: root / 'step_00000005', 'no manifest.json'),
+    (lambda root: root / 'step_00000005.tmp-0123abcd', 'temporary or half-deleted'),
+    (lambda root: root / 'manifest.json', 'is a file'),
+])
+def test_inspect_refuses_what_is_not_a_checkpoint(make, words, tmp_path, capsys):
+  path = make(tmp_path)
+  if path.name != 'nowhere':
+    if path.name == 'manifest.json':
+      path = tmp_path / 'x.txt'
+      path.write_text('')
+    else:
+      path.mkdir()
+      (path / 'state').mkdir()
+  code, out, err = call(['inspect', str(path)], capsys)
+  assert code == 2 and not out
+  assert err.startswith('jaxckpt: E-CKPT-010: ') and words in err and err.count('\n') == 1
+
+
+def test_inspect_a_run_directory_points_at_its_newest_checkpoint(run, capsys):
+  code, _, err = call(['inspect', str(run)], capsys)
+  assert code == 2 and f'did you mean {run / "checkpoints" / STEP_20}?' in err
+
+
+def test_inspect_a_damaged_manifest(pristine, tmp_path, capsys):
+  step_dir = tmp_path / STEP_10
+  shutil.copytree(pristine / 'checkpoints' / STEP_10, step_dir)
+  (step_dir / 'manifest.json').write_text('{"format": "jaxckpt.checkpo')
+  code, _, err = call(['inspect', str(step_dir)], capsys)
+  assert code == 1 and err.startswith('jaxckpt: E-CKPT-004: ')
+
+
+def test_bad_usage_is_one_line_exit_2(capsys):
+  for argv in (['inspect'], ['inspect', 'a', '--jsn'], ['verify'], ['verify', 'a', 'b']):
+    code, _, err = call(argv, capsys)
+    assert code == 2 and err.startswith('jaxckpt: E-USAGE-001: ') and err.count('\n') == 1
+
+
+# -------------------------------------------------------------------------------- verify
+def test_verify_an_intact_run_and_checkpoint(pristine, capsys):
+  code, out, _ = call(['verify', str(pristine)], capsys)
+  assert code == 0
+  assert out.splitlines() == [f'OK {pristine / "checkpoints" / s}' for s in (STEP_10, STEP_20)]
+  code, out, _ = call(['verify', str(pristine / 'checkpoints' / STEP_20),
+                                 '--no-checksums'], capsys)
+  assert code == 0 and out.startswith('OK ') and 'sizes only' in out
+  assert inspection.latest_intact(pristine / 'checkpoints') == (
+      pristine / 'checkpoints' / STEP_20, [])
+  assert inspection.verify_or_raise(pristine / 'checkpoints' / STEP_10) == \
+      pristine / 'checkpoints' / STEP_10
+
+
+def _state_files(step_dir: Path) -> dict[str, str]:
+  files = manifest.read(step_dir)['files']
+  data = max((f for f in files if f.startswith('state/') and '/d/' in f),
+             key=lambda f: files[f]['size'])
+  return {'manifest': layout.MANIFEST, 'run_state': layout.RUN_STATE, 'state data': data,
+          'state metadata': 'state/_METADATA'}
+
+
+def _corrupt(path: Path, how: str) -> None:
+  if how == 'deleted':
+    path.unlink()
+    return
+  data = bytearray(path.read_bytes())
+  if how == 'truncated':
+    data = data[:len(data) // 2]
+  else:  # one bit flipped, in the middle of the file
+    data[len(data) // 2] ^= 0x04
+  path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize('how', ['truncated', 'bit flipped', 'deleted'])
+@pytest.mark.parametrize('kind', ['manifest', 'run_state', 'state data', 'state metadata'])
+def test_corruption_matrix(pristine, tmp_path, capsys, kind, how):
+  workdir = tmp_path / 'run'
+  shutil.copytree(pristine, workdir)
+  root = workdir / 'checkpoints'
+  newest, previous = root / STEP_20, root / STEP_10
+  rel = _state_files(newest)[kind]
+  _corrupt(newest / rel, how)
+
+  code, out, err = call(['verify', str(newest)], capsys)
+  assert code == 1 and not err, err
+  assert out.startswith(f'FAIL {newest}: ')
+  if kind == 'manifest':
+    assert 'manifest.json' in out
+  else:
+    assert f'{rel}: ' in out and {'truncated': 'size', 'bit flipped': 'checksum mismatch',
+                                  'deleted': 'missing'}[how] in out
+
+  code, out, _ = call(['verify', str(workdir)], capsys)
+  assert f'OK {previous}' in out and str(newest) in out
+  assert code == (0 if (kind, how) == ('manifest', 'deleted') else 1)  # see below
+  if (kind, how) == ('manifest', 'deleted'):
+    # Without its manifest the directory is not a checkpoint (it looks like an interrupted
+    # save, which a live run also leaves for a moment): reported, not failed, in a run.
+    assert f'SKIP {newest}: not committed' in out
+
+  path, skipped = inspection.latest_intact(root)
+  assert path == previous
+  assert [p for p, _ in skipped] == [newest] and skipped[0][1]
+
+  with pytest.raises((CheckpointError, ResumeError)):
+    inspection.verify_or_raise(newest)
+  with pytest.raises(CheckpointError):
+    CheckpointManager(root, writer=False).restore(newest, {})
+
+
+def test_sizes_only_verification_misses_a_flipped_bit(pristine, tmp_path, capsys):
+  step_dir = tmp_path / STEP_20
+  shutil.copytree(pristine / 'checkpoints' / STEP_20, step_dir)
+  _corrupt(step_dir / _state_files(step_dir)['state data'], 'bit flipped')
+  assert call(['verify', str(step_dir), '--no-checksums'], capsys)[0] == 0
+  assert call(['verify', str(step_dir)], capsys)[0] == 1
+  assert inspection.latest_intact(tmp_path, checksums=False)[0] == step_dir
+  assert inspection.latest_intact(tmp_path)[0] is None
+
+
+def test_latest_intact_with_nothing_intact(pristine, tmp_path):
+  root = tmp_path / 'checkpoints'
+  shutil.copytree(pristine / 'checkpoints', root)
+  for step in (STEP_10, STEP_20):
+    _corrupt(root / step / layout.RUN_STATE, 'truncated')
+  path, skipped = inspection.latest_intact(root)
+  assert path is None and [p.name for p, _ in skipped] == [STEP_20, STEP_10]
+  with pytest.raises(ResumeError, match='E-RESUME-004: none of the 2 committed'):
+    inspection.latest_intact_or_raise(root)  # never a fresh start over a damaged run
+  assert inspection.latest_intact(tmp_path / 'empty') == (None, [])
+  (tmp_path / 'crashed' / STEP_10 / 'state').mkdir(parents=True)  # before its first commit
+  path, skipped = inspection.latest_intact_or_raise(tmp_path / 'crashed')
+  assert path is None and 'not committed' in skipped[0][1]
+  (tmp_path / 'file').write_text('')
+  with pytest.raises(ResumeError, match='E-RESUME-002'):
+    inspection.latest_intact(tmp_path / 'file')
+
+
+def test_a_manifest_naming_files_outside_is_reported_not_followed(pristine, tmp_path, capsys):
+  step_dir = tmp_path / STEP_10
+  shutil.copytree(pristine / 'checkpoints' / STEP_10, step_dir)
+  m = manifest.read(step_dir)
+  m['files']['../../outside'] = {'size': 1, 'crc32': '00000000'}
+  (step_dir / layout.MANIFEST).write_bytes(manifest.sealed_json(m))
+  code, out, _ = call(['verify', str(step_dir)], capsys)
+  assert code == 1 and 'outside the checkpoint' in out
+
+
+def test_verify_refuses_what_is_not_a_checkpoint_or_run(tmp_path, capsys):
+  code, _, err = call(['verify', str(tmp_path / 'nowhere')], capsys)
+  assert code == 2 and 'E-CKPT-010' in err and 'does not exist' in err
+  code, _, err = call(['verify', str(tmp_path)], capsys)
+  assert code == 2 and 'holds no checkpoint' in err
