@@ -20,7 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.dtype = 'float32'  # compute dtype: float32 or bfloat16 (params stay float32)
 
   config.data = ml_collections.ConfigDict()
-  config.data.paths = ('embedded',)  # text files, uint16 .bin files, or 'embedded'
+  # Named sources -> their files (text, uint16 .bin, or 'embedded': the corpus shipped with
+  # jaxckpt). With several sources the bandit picks the source of each batch.
+  config.data.sources = ml_collections.ConfigDict({'main': ('embedded',)})
   config.data.heldout_fraction = 0.05  # tail of the tokens kept for evaluation
 
   config.train = ml_collections.ConfigDict()
@@ -36,6 +38,25 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.log_every = 50  # steps between progress lines
   config.train.eval_every = 0  # steps between held-out evaluations (0: off)
   config.train.eval_batches = 4  # held-out batches per evaluation
+  config.train.guard_finite = False  # refuse to commit a checkpoint holding NaN/inf
+
+  config.bandit = ml_collections.ConfigDict()
+  config.bandit.floor = 0.05  # least probability of any source
+  config.bandit.ceiling = 0.95  # most probability of any source
+  config.bandit.floors = ml_collections.ConfigDict()  # per-source floors (name -> value)
+  config.bandit.ceilings = ml_collections.ConfigDict()  # per-source ceilings (name -> value)
+  config.bandit.gamma = 0.1  # EXP3 uniform exploration
+  config.bandit.eta = 0.05  # EXP3 learning rate on centred rewards
+  config.bandit.ema = 0.9  # smoothing of per-source loss and reward
+  config.bandit.update_every = 10  # steps between reward updates (one host sync each)
+
+  config.samples = ml_collections.ConfigDict()
+  config.samples.every = -1  # steps between samples (-1: the checkpoint cadence; 0: off)
+  config.samples.count = 3  # samples per round
+  config.samples.length = 48  # new bytes per sample
+  config.samples.prompt = 'The '  # what each sample starts from
+  config.samples.temperature = 0.8  # softmax temperature
+  config.samples.keep = 5  # rounds kept in samples.json
 
   config.mesh = ml_collections.ConfigDict()
   config.mesh.data = -1  # devices on the data axis (-1: all that remain)
@@ -47,4 +68,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.mode = 'auto'  # async | sync | auto (async when a host copy fits in memory)
   config.checkpoint.keep = 3  # newest checkpoints kept (0: all)
   config.checkpoint.keep_every = 0  # steps divisible by this are kept forever (0: off)
+
+  # Exports under <workdir>/exports/, written from a checkpoint's host copy after it commits.
+  config.export = ml_collections.ConfigDict()
+  config.export.every = 1000  # steps: first checkpoint at/after each multiple, + last step (0: off)
+  config.export.formats = 'safetensors,hf'  # comma list of safetensors, hf, bin (12 bytes/param)
+  config.export.keep = 2  # newest exported steps kept (0: all)
+  config.export.optimizer = False  # also write optimizer.safetensors (Adam m, v) with safetensors
   return config

@@ -13,23 +13,36 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxckpt import cli_support
+from jaxckpt import cli_support, identity
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
                                 lock_config=True)
 flags.DEFINE_string('workdir', None, 'Directory of the run: checkpoints, logs, exports.')
-flags.DEFINE_string('resume', None, "latest (default) | none | PATH of a step_<n> directory. "
-                    'Default: $JAXCKPT_RESUME, else latest.')
+flags.DEFINE_string('resume', None, "latest (default) | none | PATH of a step_<n> directory "
+                    'or of a step_NNNNNN.bin. Default: $JAXCKPT_RESUME, else latest.')
 flags.DEFINE_integer('checkpoint_every', None, 'Steps between checkpoints (0: off).')
 flags.DEFINE_float('checkpoint_secs', None, 'Seconds between checkpoints (0: off).')
 flags.DEFINE_enum('checkpoint_mode', None, ['auto', 'async', 'sync'], 'How checkpoints are written.')
 flags.DEFINE_integer('keep', None, 'Newest checkpoints to keep (0: all).')
 flags.DEFINE_integer('keep_every', None, 'Keep every checkpoint whose step is divisible by this.')
+flags.DEFINE_bool('guard_finite', None, 'Check params and optimizer state for NaN/inf before '
+                  'each checkpoint commits; stop the run instead of committing them.')
+flags.DEFINE_integer('export_every', None, 'Export the first checkpoint at or after each '
+                     'multiple of this many steps, and the last step (0: off).')
+flags.DEFINE_string('export_formats', None, 'Comma list of export formats: safetensors,hf,bin.')
+flags.DEFINE_integer('export_keep', None, 'Newest exported steps to keep (0: all).')
+flags.DEFINE_bool('export_optimizer', None, 'Also export Adam m and v as optimizer.safetensors.')
 flags.mark_flags_as_required(['config', 'workdir'])
 
-_CHECKPOINT_FLAGS = {'checkpoint_every': 'every', 'checkpoint_secs': 'secs',
-                     'checkpoint_mode': 'mode', 'keep': 'keep', 'keep_every': 'keep_every'}
+# Flags that set a config field; the manifest records such values with source `flag`.
+FLAG_FIELDS = {
+    'checkpoint_every': 'checkpoint.every', 'checkpoint_secs': 'checkpoint.secs',
+    'checkpoint_mode': 'checkpoint.mode', 'keep': 'checkpoint.keep',
+    'keep_every': 'checkpoint.keep_every', 'guard_finite': 'train.guard_finite',
+    'export_every': 'export.every', 'export_formats': 'export.formats', 'export_keep': 'export.keep',
+    'export_optimizer': 'export.optimizer',
+}
 
 
 def main(argv):
@@ -37,16 +50,19 @@ def main(argv):
     raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
   config = FLAGS.config
   with config.unlocked():
-    for flag, field in _CHECKPOINT_FLAGS.items():
+    for flag, field in FLAG_FIELDS.items():
       if FLAGS[flag].value is not None:
-        config.checkpoint[field] = FLAGS[flag].value
+        section, name = field.split('.')
+        config[section][name] = FLAGS[flag].value
+  provenance = identity.provenance(config, config_flags.get_config_filename(FLAGS['config']),
+                                   sys.argv[1:], FLAG_FIELDS)
   resume = FLAGS.resume or os.environ.get('JAXCKPT_RESUME') or 'latest'
   from jaxckpt import train  # after flag parsing: jax is slow to import
   from jaxckpt.checkpoint import signals
 
   def run():
     try:
-      train.train_and_evaluate(config, FLAGS.workdir, resume=resume)
+      train.train_and_evaluate(config, FLAGS.workdir, resume=resume, provenance=provenance)
     except signals.Interrupted as e:
       signals.report_and_exit(e)
 

@@ -28,11 +28,17 @@ import optax
 from absl import logging
 
 import jaxckpt
+from jaxckpt import bandit as bandit_lib
 from jaxckpt import data as data_lib
 from jaxckpt import model as model_lib
-from jaxckpt import sharding
+from jaxckpt import identity, inspection, phases, sharding
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, CommitInfo, layout, signals
-from jaxckpt.errors import ConfigError, ResumeError
+from jaxckpt.checkpoint.lock import WorkdirLock
+from jaxckpt.checkpoint.manager import named_leaves
+from jaxckpt.errors import ConfigError, JaxckptError, ResumeError
+from jaxckpt.export import during_training
+from jaxckpt.export.offline import param_of_leaf
+from jaxckpt.bin_resume import restore_from_bin
 from jaxckpt.runlog import RunLog
 
 
@@ -70,6 +76,8 @@ class Trainer:
   init_fn: Callable[[jax.Array], TrainState]
   train_step: Callable[[TrainState, tuple], tuple[TrainState, dict]]
   eval_step: Callable[[Any, tuple], jax.Array]
+  nonfinite_counts: Callable[[TrainState], Any]
+  sample: Callable[[Any, jax.Array, jax.Array], jax.Array]
 
   def abstract_state(self) -> TrainState:
     """ShapeDtypeStructs with shardings: the target a checkpoint is restored into."""
@@ -117,7 +125,47 @@ def build_trainer(config, devices=None) -> Trainer:
       train_step=jax.jit(train_step, in_shardings=(state_shardings, batch_sh),
                          out_shardings=(state_shardings, replicated), donate_argnums=0),
       eval_step=jax.jit(loss_fn, in_shardings=(state_shardings.params, batch_sh),
-                        out_shardings=replicated))
+                        out_shardings=replicated),
+      nonfinite_counts=jax.jit(_nonfinite_counts, in_shardings=(state_shardings,),
+                               out_shardings=replicated),
+      sample=jax.jit(functools.partial(_sample, model, config.samples),
+                     in_shardings=(state_shardings.params, replicated, replicated),
+                     out_shardings=replicated))
+
+
+def _sample(model, samples_cfg, params, tokens, rng):
+  """Continue each row of `tokens` (n, block) from its prompt, one token per forward pass."""
+  start = len(samples_cfg.prompt.encode())
+  stop = min(tokens.shape[1], start + samples_cfg.length)
+
+  def body(t, carry):
+    tokens, rng = carry
+    rng, key = jax.random.split(rng)
+    logits = model.apply({'params': params}, tokens)[:, t - 1]  # (n, V)
+    token = jax.random.categorical(key, logits / samples_cfg.temperature)
+    return tokens.at[:, t].set(token.astype(tokens.dtype)), rng
+
+  return jax.lax.fori_loop(start, stop, body, (tokens, rng))[0]
+
+
+def generate_samples(trainer: Trainer, params, step: int) -> list[str]:
+  """A few short samples from the model, for the audit trail (`samples.json`)."""
+  cfg = trainer.config.samples
+  prompt = np.frombuffer(cfg.prompt.encode(), np.uint8)
+  tokens = np.zeros((cfg.count, trainer.config.model.block_size), np.int32)
+  tokens[:, :len(prompt)] = prompt
+  rng = jax.random.fold_in(jax.random.key(trainer.config.seed), step)
+  out = np.asarray(trainer.sample(params, tokens, rng))
+  stop = min(out.shape[1], len(prompt) + cfg.length)
+  return [bytes(row[:stop].astype(np.uint8)).decode('utf-8', errors='replace') for row in out]
+
+
+def _nonfinite_counts(tree):
+  def count(x):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+      return jnp.int32(0)
+    return jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
+  return jax.tree.map(count, tree)
 
 
 def validate_config(config) -> None:
@@ -139,7 +187,12 @@ def validate_config(config) -> None:
   if m.dtype not in ('float32', 'bfloat16'):
     raise ConfigError('E-CONFIG-001', f'model.dtype={m.dtype!r} is not float32 or bfloat16',
                       'set --config.model.dtype')
+  if len(config.samples.prompt.encode()) >= m.block_size:
+    raise ConfigError('E-CONFIG-001', 'samples.prompt is as long as model.block_size',
+                      'shorten --config.samples.prompt')
+  bandit_lib.validate(config.bandit, list(config.data.sources))
   checkpoint_options(config)  # validates mode and counts
+  during_training.options_from_config(config)  # validates export cadence, formats, retention
 
 
 def checkpoint_options(config) -> CheckpointOptions:
@@ -149,28 +202,33 @@ def checkpoint_options(config) -> CheckpointOptions:
 
 
 def find_resume_point(resume: str, ckpt_dir: Path) -> Path | None:
-  """The committed checkpoint directory to continue from, or None for a fresh start.
+  """The committed checkpoint directory (or `.bin` file) to continue from; None: a fresh start.
 
   `latest`: the newest committed checkpoint, or a fresh start when there is none.
   `none`: a fresh start, refused when checkpoints exist (it would fork the run's history).
+  `PATH.bin`: a raw `step_NNNNNN.bin` export (weights, Adam m and v; see `jaxckpt.bin_resume`).
   anything else: the path of a committed `step_<n>` directory.
   """
-  if resume in ('latest', 'none'):
+  if resume.endswith('.bin'):
+    if not Path(resume).is_file():
+      raise ResumeError('E-BIN-003', f'cannot read --resume={resume}: no such file',
+                        'check the path of the .bin file')
+    return Path(resume)
+  if resume == 'latest':
+    # The newest checkpoint that passes verification; a damaged newer one is passed over.
+    path, skipped = inspection.latest_intact_or_raise(ckpt_dir)
+    for bad, problem in skipped:
+      logging.warning('passing over %s: %s', bad, problem)
+    return path
+  if resume == 'none':
     steps = layout.committed_steps(ckpt_dir)
-    if resume == 'latest':
-      return steps[max(steps)] if steps else None
     if steps:
       raise ResumeError('E-RESUME-001', f'--resume=none but {ckpt_dir} already holds committed '
                         f'checkpoints (steps {min(steps)}..{max(steps)}); starting fresh would '
                         'silently fork the run\'s history', 'use --resume=latest to continue, '
                         'or a new --workdir to start over')
     return None
-  path = Path(resume)
-  if not (path / layout.MANIFEST).is_file() or layout.parse_step(path.name) is None:
-    raise ResumeError('E-RESUME-003', f'--resume={resume} is not a committed checkpoint '
-                      '(a step_<n> directory with a manifest.json)',
-                      'use --resume=latest, --resume=none, or the path of a step_<n> directory')
-  return path
+  return inspection.verify_or_raise(resume)  # an explicit PATH that fails is an error
 
 
 _PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'tensorstore', 'numpy')
@@ -187,11 +245,16 @@ def versions() -> dict[str, str]:
   return out
 
 
-def _identity(config, mesh, finished: bool) -> dict[str, Any]:
-  return {'config': config.to_dict(), 'seed': config.seed, 'finished': finished,
-          'mesh': dict(mesh.shape), 'devices': jax.device_count(),
-          'processes': jax.process_count(), 'platform': jax.devices()[0].platform,
-          'versions': versions()}
+def run_identity(trainer: Trainer, provenance: dict | None = None) -> dict[str, Any]:
+  """What this run is, for every checkpoint's manifest (see `jaxckpt.identity`)."""
+  provenance = provenance or {}
+  abstract = trainer.abstract_state()
+  return identity.build(
+      config=trainer.config, params=abstract.params, opt_state=abstract.opt_state,
+      partition_specs=trainer.state_shardings.params, mesh_shape=dict(trainer.mesh.shape),
+      devices=jax.device_count(), processes=jax.process_count(),
+      platform=jax.devices()[0].platform, knobs=provenance.get('knobs'),
+      sources=provenance.get('sources'), versions=versions())
 
 
 class _Progress:
@@ -227,6 +290,30 @@ class _Progress:
                    time.strftime('%H:%M:%S', time.gmtime(eta)) if eta == eta else '?')
 
 
+class NonFiniteError(JaxckptError):
+  """A proposed checkpoint holds NaN or inf: nothing of it is committed."""
+
+  def line(self) -> str:
+    return self.what
+
+
+def check_finite(trainer: Trainer, state: TrainState, step: int) -> None:
+  """Refuse to commit `state` if any parameter or optimizer state holds NaN or inf.
+
+  One fused reduction on the devices, one scalar per tensor to the host.
+  """
+  counts = jax.device_get(named_leaves(trainer.nonfinite_counts(state)))
+  bad = [(param_of_leaf(leaf) or ('state', leaf), int(n)) for leaf, n in counts.items() if n]
+  if not bad:
+    return
+  # Name a parameter when one is bad: that is where the trouble shows first.
+  (kind, name), count = min(bad, key=lambda b: b[0][0] != 'params')
+  what = {'params': 'parameter', 'm': 'optimizer state (Adam m) of',
+          'v': 'optimizer state (Adam v) of'}.get(kind, 'state')
+  raise NonFiniteError('E-GUARD-001', f'step {step}: the proposed {what} {name} has {count} '
+                       'values that are not finite; nothing was committed')
+
+
 def evaluate(trainer: Trainer, params, dataset: data_lib.Dataset) -> float:
   losses = [trainer.eval_step(params, trainer.put_batch(b))
             for b in dataset.heldout_batches(trainer.config.train.eval_batches)]
@@ -234,20 +321,24 @@ def evaluate(trainer: Trainer, params, dataset: data_lib.Dataset) -> float:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
-                       resume: str = 'latest') -> TrainState:
+                       resume: str = 'latest', provenance: dict | None = None) -> TrainState:
   """Train `config` in `workdir`, continuing the run there if there is one. Returns the state.
+
+  `provenance` ({'knobs', 'sources'} from `jaxckpt.identity.provenance`) says where each config
+  value came from; it is recorded in every checkpoint's manifest.
 
   Raises `signals.Interrupted` after checkpointing when a stop signal arrived (see
   `jaxckpt.checkpoint.signals`), and `JaxckptError`s for problems the user can fix.
   """
-  with signals.PreemptionWatcher() as watcher:
-    validate_config(config)
-    workdir = Path(workdir)
+  validate_config(config)
+  workdir = Path(workdir)
+  with signals.PreemptionWatcher() as watcher, WorkdirLock(workdir) as lock:
     ckpt_dir = workdir / 'checkpoints'
     resume_dir = find_resume_point(resume, ckpt_dir)
     dataset = data_lib.from_config(config)
     trainer = build_trainer(config)
     runlog = RunLog(workdir)
+    exporter = during_training.Exporter(workdir / 'exports', config, runlog)  # cleans debris
 
     def on_commit(info: CommitInfo) -> None:
       runlog.event('checkpoint', step=info.step, path=str(info.path), bytes=info.bytes,
@@ -255,12 +346,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                    seconds_to_commit=round(info.seconds_to_commit, 6),
                    deleted=list(info.deleted))
       runlog.status(last_checkpoint=info.step, last_checkpoint_path=str(info.path))
+      # From the host copy this checkpoint staged, on the save thread; the next save waits.
+      exported = exporter.on_commit(info, stopping=watcher.stop_signal is not None)
+      if exported:
+        runlog.status(last_export=exported['step'])
 
     mgr = CheckpointManager(ckpt_dir, checkpoint_options(config), on_commit=on_commit)
-    step = None
+    if lock.previous_holder:
+      runlog.event('lock_taken_over', previous=lock.previous_holder)
+      logging.info('took over the lock of pid %s (not running)', lock.previous_holder.get('pid'))
+    run = _Run(trainer, dataset, mgr, runlog, watcher, workdir,
+               identity=run_identity(trainer, provenance))
     try:
-      state, step = _start(trainer, mgr, resume_dir, runlog)
-      return _loop(trainer, dataset, mgr, runlog, watcher, state, step)
+      state, step = _start(run, resume_dir)
+      return _loop(run, state, step)
     except signals.Interrupted:
       raise
     except BaseException as e:
@@ -275,51 +374,108 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       mgr.close()
 
 
-def _start(trainer: Trainer, mgr: CheckpointManager, resume_dir: Path | None,
-           runlog: RunLog) -> tuple[TrainState, int]:
-  """The initial state: fresh, or restored from `resume_dir`."""
-  config = trainer.config
+@dataclasses.dataclass
+class _Run:
+  """What one invocation of the trainer works with."""
+  trainer: Trainer
+  dataset: data_lib.Dataset
+  mgr: CheckpointManager
+  runlog: RunLog
+  watcher: signals.PreemptionWatcher
+  workdir: Path
+  identity: dict[str, Any]
+  bandit: bandit_lib.Bandit | None = None
+
+
+def _start(run: _Run, resume_dir: Path | None) -> tuple[TrainState, int]:
+  """The initial state and bandit: fresh, or restored from `resume_dir`."""
+  config, runlog, mgr = run.trainer.config, run.runlog, run.mgr
+  changes: list[str] = []
   if resume_dir is None:
-    state, step = trainer.init_fn(jax.random.key(config.seed)), 0
+    state, step, run_state = run.trainer.init_fn(jax.random.key(config.seed)), 0, {}
+  elif resume_dir.suffix == '.bin':
+    state, run_state = restore_from_bin(run.trainer, resume_dir, mgr.directory, runlog)
+    step = int(run_state['step'])
   else:
-    state, run_state = mgr.restore(resume_dir, trainer.abstract_state())
+    # Refuse what does not fit before loading anything; record what changed and is allowed.
+    changes = identity.compare(mgr.read_manifest(resume_dir), run.identity,
+                               where=str(resume_dir)).lines
+    state, run_state = mgr.restore(resume_dir, run.trainer.abstract_state(), verify=False)
     step = int(run_state['step'])
   runlog.event('started', step=step, segment=runlog.segment, devices=jax.device_count(),
-               mesh=dict(trainer.mesh.shape))
+               mesh=dict(run.trainer.mesh.shape))
   if resume_dir is not None:
-    runlog.event('resumed', step=step, path=str(resume_dir))
+    runlog.event('resumed', step=step, path=str(resume_dir), changes=changes)
     logging.info('resumed from %s (step %d)', resume_dir, step)
+    for line in changes:
+      logging.info('changed since the checkpoint: %s', line)
   if mgr.removed_debris:
     runlog.event('cleaned', paths=[str(p) for p in mgr.removed_debris])
     logging.info('removed %d incomplete checkpoint(s)', len(mgr.removed_debris))
+  run.bandit = _start_bandit(run, run_state.get('bandit'))
   runlog.status(state='running', step=step, total_steps=config.train.steps,
-                last_checkpoint=mgr.latest_step(), error=None)
+                last_checkpoint=mgr.latest_step(), phase=run.bandit.state['phase'], error=None)
   return state, step
 
 
-def _loop(trainer: Trainer, dataset: data_lib.Dataset, mgr: CheckpointManager, runlog: RunLog,
-          watcher: signals.PreemptionWatcher, state: TrainState, step: int) -> TrainState:
+def _start_bandit(run: _Run, saved: dict | None) -> bandit_lib.Bandit:
+  """The bandit for this start: restored, fitted to the config's sources and the phase."""
+  config, arms = run.trainer.config, run.dataset.names
+  phase = phases.current_phase(run.workdir)
+  if saved is None:
+    return bandit_lib.Bandit(config.bandit, arms, config.seed,
+                             bandit_lib.fresh_state(arms, phase))
+  state, dropped, added, reset = bandit_lib.reconcile(saved, arms, phase)
+  if reset:
+    run.runlog.event('bandit_reset', phase=phase, reason='pivot')
+    logging.info('phase %d: a fresh bandit over %s', phase, ', '.join(arms))
+  if dropped:
+    # The zombie-arm guard: a source that left the config can never be sampled again.
+    run.runlog.event('bandit_arms_dropped', arms=dropped)
+    logging.warning('dropped bandit arm(s) whose data source is no longer configured: %s',
+                    ', '.join(dropped))
+  if added:
+    run.runlog.event('bandit_arms_added', arms=added)
+    logging.info('new data source(s) joined the bandit: %s', ', '.join(added))
+  return bandit_lib.Bandit(config.bandit, arms, config.seed, state)
+
+
+def _loop(run: _Run, state: TrainState, step: int) -> TrainState:
+  trainer, dataset, mgr, runlog, watcher = (run.trainer, run.dataset, run.mgr, run.runlog,
+                                            run.watcher)
   config, total = trainer.config, trainer.config.train.steps
   progress = _Progress(trainer, runlog, step)
   first_step = step
   saved = {s for s in (mgr.latest_step(),) if s is not None}
+  sample_every = config.samples.every if config.samples.every >= 0 else config.checkpoint.every
 
   def save(step: int) -> None:
+    if config.train.guard_finite:
+      check_finite(trainer, state, step)
     progress.flush(log=False)  # the loss history covers every step a checkpoint covers
-    run_state = {'seed': config.seed, 'data_position': step, 'epoch': dataset.epoch(step),
-                 'tokens_seen': step * progress.tokens_per_step}
-    mgr.save(step, state, run_state, metadata=_identity(config, trainer.mesh, step == total))
+    counters = {'step': step, 'data_position': step, 'epoch': dataset.epoch(step),
+                'tokens_seen': step * progress.tokens_per_step}
+    bandit_state = run.bandit.snapshot()
+    run_state = {'seed': config.seed, **counters, 'bandit': bandit_state}
+    mgr.save(step, state, run_state,
+             metadata={**run.identity, 'counters': counters, 'finished': step == total})
+    phases.write_bandit_mirror(run.workdir, step, bandit_state)
     saved.add(step)
 
   while step < total and watcher.stop_signal is None:
-    state, metrics = trainer.train_step(state, trainer.put_batch(dataset.batch(step)))
+    arm = run.bandit.choose(step)
+    state, metrics = trainer.train_step(state, trainer.put_batch(dataset.batch(step, arm)))
     step += 1
     progress.add(step, metrics)
+    run.bandit.record(step, arm, metrics['loss'])
     if step % config.train.log_every == 0 or step == total:
       progress.flush(log=True)
       runlog.status(step=step)
     if config.train.eval_every and step % config.train.eval_every == 0:
       runlog.event('eval', step=step, heldout_loss=evaluate(trainer, state.params, dataset))
+    if sample_every and (step % sample_every == 0 or step == total):
+      phases.write_samples(run.workdir, run.bandit.state['phase'], step,
+                           generate_samples(trainer, state.params, step), config.samples.keep)
     if (step == total or mgr.should_save(step) or watcher.take_save_request()
         or watcher.stop_signal is not None):
       save(step)

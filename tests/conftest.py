@@ -47,8 +47,8 @@ class Trainer:
     self.cache = cache
 
   def command(self, workdir, *flags: str) -> list[str]:
-    return [sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}', f'--workdir={workdir}',
-            *flags]
+    config = [] if any(f.startswith('--config=') for f in flags) else [f'--config={TINY}']
+    return [sys.executable, '-m', 'jaxckpt.main', *config, f'--workdir={workdir}', *flags]
 
   def run(self, workdir, *flags: str, devices: int = 1, env: dict | None = None,
           timeout: float = 300) -> subprocess.CompletedProcess:
@@ -76,7 +76,7 @@ def committed_steps(workdir) -> list[int]:
                 and (p / 'manifest.json').is_file())
 
 
-def wait_for(predicate, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300.0) -> None:
   """Poll until `predicate()` holds; fail if the process ends first or time runs out."""
   deadline = time.monotonic() + timeout
   while not predicate():
@@ -102,5 +102,5 @@ def assert_same_bytes(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> Non
 
 
 def read_events(workdir) -> list[dict]:
-  path = Path(workdir) / 'events.jsonl'
-  return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+  from jaxckpt.runlog import read_jsonl
+  return read_jsonl(Path(workdir) / 'events.jsonl')

@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from jaxckpt.checkpoint import layout, manifest
 from jaxckpt.checkpoint.policy import RetentionPolicy, SavePolicy
 from jaxckpt.checkpoint.staging import HostStager
-from jaxckpt.errors import CheckpointError, UsageError
+from jaxckpt.errors import CheckpointError, JaxckptError, UsageError
 
 MODES = ('auto', 'async', 'sync')
 
@@ -66,6 +66,10 @@ class CommitInfo:
   seconds_blocked: float    # the caller's wait: previous save + device->host copy
   seconds_to_commit: float  # from the call of save() to the manifest being durable
   deleted: tuple[int, ...]  # older steps removed by retention after this commit
+  # The host copy that was just written, by leaf name ('params/h/0/attn/c_attn/kernel', ...).
+  # IMPORTANT: valid only until the next save starts (it reuses these buffers). The next save
+  # waits for the callback, so reading them inside it (e.g. to export) is safe; keep no reference.
+  staged: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
 
 
 def leaf_name(path) -> str:
@@ -210,8 +214,8 @@ class CheckpointManager:
         os.rename(final, replaced)
       os.rename(tmp, final)
       layout.fsync_dir(self.directory)
-      layout.write_json_durably(final / layout.MANIFEST,
-                                manifest.build(step, files, table, metadata))  # the commit
+      layout.write_file_durably(final / layout.MANIFEST, manifest.sealed_json(
+          manifest.build(step, files, table, metadata)))  # the commit
       if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     except BaseException as e:
@@ -223,9 +227,18 @@ class CheckpointManager:
                             f'{self.directory} failed: {type(e).__name__}: {e}',
                             f'nothing was committed for step {step}; {intact}') from e
     deleted = self._apply_retention()
-    if self._on_commit is not None:
-      self._on_commit(CommitInfo(step, final, sum(f['size'] for f in files.values()), blocked,
-                                 time.perf_counter() - t0, tuple(deleted)))
+    if self._on_commit is None:
+      return
+    info = CommitInfo(step, final, sum(f['size'] for f in files.values()), blocked,
+                      time.perf_counter() - t0, tuple(deleted), staged=staged)
+    try:
+      self._on_commit(info)
+    except JaxckptError:
+      raise  # already says what failed and what is intact (e.g. an export)
+    except Exception as e:
+      raise CheckpointError('E-CKPT-009', f'the on_commit callback after checkpoint step {step} '
+                            f'failed: {type(e).__name__}: {e}',
+                            f'checkpoint step {step} is committed and intact') from e
 
   def _apply_retention(self) -> list[int]:
     """Delete what retention lets go; only ever called right after a commit."""
@@ -256,28 +269,41 @@ class CheckpointManager:
     checksums = self.options.verify_checksums if checksums is None else checksums
     return manifest.verify(self._resolve(step_or_dir), checksums=checksums)
 
-  def restore(self, step_or_dir: int | os.PathLike, target: Any) -> tuple[Any, dict[str, Any]]:
+  def restore(self, step_or_dir: int | os.PathLike, target: Any, *,
+              only: Callable[[str], bool] | None = None,
+              verify: bool = True) -> tuple[Any, dict[str, Any]]:
     """Load a committed checkpoint into the structure, shapes, dtypes and shardings of `target`.
 
     `target` is a pytree of `jax.ShapeDtypeStruct` (with `sharding`) or of arrays. Arrays are
     placed on the target's shardings, whatever mesh wrote them. Returns (state, run_state).
+
+    `only` restores a subset: a predicate on saved tensor names (`named_leaves` names); only the
+    tensors it accepts are compared with `target` and read, the others are never touched. An
+    evaluator reads the weights alone with
+    `restore(step, {'params': abstract.params}, only=lambda n: n.startswith('params/'))`.
+
+    `verify=False` skips checking the files against the manifest, for a caller that just did.
     """
     step_dir = self._resolve(step_or_dir)
     meta = manifest.read(step_dir)
-    problems = manifest.verify(step_dir, meta, checksums=self.options.verify_checksums)
+    problems = []
+    if verify:
+      problems = [p for p in (manifest.check_seal((step_dir / layout.MANIFEST).read_bytes(),
+                                                  meta),) if p]
+      problems += manifest.verify(step_dir, meta, checksums=self.options.verify_checksums)
     if problems:
       raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problems[0]}'
                             + (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
                             'resume from an earlier checkpoint')
     want = named_leaves(target)
-    saved = {t['name']: t for t in meta['tensors']}
+    saved = {t['name']: t for t in meta['tensors'] if only is None or only(t['name'])}
     _check_compatible(step_dir, saved, want)
     item = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for n, x in want.items()}
     restore_args = {n: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
                                             dtype=x.dtype) for n, x in want.items()}
     restored = _checkpointer().restore(
-        step_dir / layout.STATE_DIR, args=ocp.args.PyTreeRestore(item=item,
-                                                                 restore_args=restore_args))
+        step_dir / layout.STATE_DIR, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=restore_args, partial_restore=only is not None))
     leaves = [restored[n] for n in want]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
     return state, layout.read_json(step_dir / layout.RUN_STATE)
