@@ -51,8 +51,8 @@ class Trainer:
     return [sys.executable, '-m', 'jaxckpt.main', *config, f'--workdir={workdir}', *flags]
 
   def run(self, workdir, *flags: str, devices: int = 1, env: dict | None = None,
-          timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(self.command(workdir, *flags), cwd=REPO, capture_output=True,
+          timeout: float = 300, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(self.command(workdir, *flags), cwd=cwd, capture_output=True,
                           text=True, timeout=timeout,
                           env=subprocess_env(self.cache, devices, **(env or {})))
 

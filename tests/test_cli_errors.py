@@ -1,6 +1,8 @@
 """Resume modes and bad input: one line naming the problem and the fix, exit 2, no traceback."""
 
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -69,3 +71,16 @@ def test_unlistable_checkpoint_location_is_an_error_not_a_fresh_start(trainer, t
 ])
 def test_bad_input_is_one_line_and_exit_2(trainer, tmp_path, flag, code):
   assert_refused(trainer.run(tmp_path, flag), code)
+
+
+def test_relative_workdir(trainer, tmp_path):
+  """The README's quick start passes a relative --workdir."""
+  r = trainer.run('runs/tiny', '--config.train.steps=10', '--checkpoint_every=5', cwd=tmp_path)
+  assert r.returncode == 0, r.stderr
+  assert committed_steps(tmp_path / 'runs' / 'tiny') == [5, 10]
+  assert (tmp_path / 'runs/tiny/exports/step_00000010/hf/config.json').is_file()
+  export = subprocess.run([sys.executable, '-m', 'jaxckpt.cli', 'export',
+                           'runs/tiny/checkpoints/step_00000010', '--format=bin', '--out=x.bin'],
+                          cwd=tmp_path, capture_output=True, text=True)
+  assert export.returncode == 0, export.stderr
+  assert (tmp_path / 'x.bin').stat().st_size == 8 + 12 * 136_960

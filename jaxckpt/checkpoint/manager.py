@@ -112,7 +112,7 @@ class CheckpointManager:
   def __init__(self, directory: str | os.PathLike, options: CheckpointOptions | None = None, *,
                clock: Callable[[], float] = time.monotonic,
                on_commit: Callable[[CommitInfo], None] | None = None, writer: bool = True):
-    self.directory = Path(directory)
+    self.directory = Path(directory).absolute()  # orbax wants absolute paths
     self.options = options or CheckpointOptions()
     self._clock = clock
     self._on_commit = on_commit

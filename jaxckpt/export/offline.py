@@ -130,7 +130,7 @@ def _read_arrays(step_dir: Path, meta: Mapping[str, Any]) -> dict[str, np.ndarra
   # As numpy, whatever mesh wrote them: no devices are needed, and none are touched.
   args = {t['name']: ocp.RestoreArgs(restore_type=np.ndarray) for t in meta['tensors']}
   restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
-      step_dir / layout.STATE_DIR, args=ocp.args.PyTreeRestore(restore_args=args))
+      step_dir.absolute() / layout.STATE_DIR, args=ocp.args.PyTreeRestore(restore_args=args))
   return {k: np.asarray(v) for k, v in restored.items()}
 
 
