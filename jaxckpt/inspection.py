@@ -21,14 +21,10 @@ import time
 from pathlib import Path
 from typing import Any, Mapping
 
+from jaxckpt.checkpoint import layout, manifest
 from jaxckpt.errors import CheckpointError, ResumeError, UsageError
 
-# Mirrors of jaxckpt.checkpoint.{manifest,layout} constants. Importing those modules imports
-# jaxckpt.checkpoint, whose __init__ imports jax and orbax (seconds); `inspect` must not.
-# tests/test_inspection.py keeps them equal.
-MANIFEST = 'manifest.json'
-FORMAT = 'jaxckpt.checkpoint'
-FORMAT_VERSION = 1
+MANIFEST = layout.MANIFEST
 _DEBRIS_MARKS = ('.tmp-', '.deleting-')
 
 NOT_A_CHECKPOINT = 'E-CKPT-010'
@@ -86,20 +82,8 @@ def checkpoint_dir(path: str | Path) -> Path:
 
 
 def read_manifest(step_dir: Path) -> dict[str, Any]:
-  """manifest.json of a checkpoint, checked like `jaxckpt.checkpoint.manifest.read`."""
-  try:
-    m = json.loads((step_dir / MANIFEST).read_bytes())
-  except (OSError, ValueError) as e:
-    raise CheckpointError('E-CKPT-004', f'cannot read {step_dir / MANIFEST}: {e}',
-                          'the file is missing or corrupt; run `jaxckpt verify` on it') from e
-  if not isinstance(m, dict) or m.get('format') != FORMAT:
-    raise CheckpointError('E-CKPT-004', f'{step_dir}: manifest.json is not a jaxckpt manifest',
-                          'point at a step_<n> directory written by jaxckpt')
-  if m.get('format_version', 0) > FORMAT_VERSION:
-    raise CheckpointError('E-CKPT-006', f'{step_dir}: manifest format {m["format_version"]} is '
-                          f'newer than this jaxckpt understands ({FORMAT_VERSION})',
-                          'upgrade jaxckpt')
-  return m
+  """manifest.json of a checkpoint (`jaxckpt.checkpoint.manifest.read`)."""
+  return manifest.read(step_dir)
 
 
 def describe(step_dir: Path, m: Mapping[str, Any]) -> dict[str, Any]:
@@ -224,13 +208,11 @@ def inspect_main(argv: list[str]) -> int:
 # -------------------------------------------------------------------------------- verify
 def check(step_dir: Path, *, checksums: bool = True) -> list[str]:
   """Problems of one checkpoint directory ([] when intact)."""
-  from jaxckpt.checkpoint import manifest  # imports jax: only verify pays for it
   return manifest.check(step_dir, checksums=checksums)[1]
 
 
 def _step_dirs(root: Path) -> tuple[dict[int, Path], list[Path]]:
   """({step: committed dir}, [uncommitted step dirs]) under a checkpoints directory."""
-  from jaxckpt.checkpoint import layout
   committed = layout.committed_steps(root)
   uncommitted = [p for p in layout.debris(root) if layout.parse_step(p.name) is not None]
   return committed, uncommitted
@@ -246,7 +228,6 @@ def latest_intact(ckpt_dir: str | Path, *,
   that cannot be listed raises `ResumeError` E-RESUME-002, never "no checkpoint".
   """
   committed, uncommitted = _step_dirs(Path(ckpt_dir))
-  from jaxckpt.checkpoint import layout
   candidates = sorted([(s, p, None) for s, p in committed.items()] +
                       [(layout.parse_step(p.name), p, 'not committed') for p in uncommitted],
                       key=lambda c: c[0], reverse=True)
@@ -285,7 +266,6 @@ def verify_or_raise(path: str | Path, *, checksums: bool = True) -> Path:
   Raises ResumeError E-RESUME-003 when it is not a committed checkpoint, CheckpointError
   E-CKPT-003 when a file does not match the manifest.
   """
-  from jaxckpt.checkpoint import layout
   path = Path(path)
   if not (path / layout.MANIFEST).is_file() or layout.parse_step(path.name) is None:
     raise ResumeError('E-RESUME-003', f'--resume={path} is not a committed checkpoint '
@@ -314,7 +294,6 @@ def verify_main(argv: list[str]) -> int:
     raise UsageError(NOT_A_CHECKPOINT, f'{path} does not exist' if not path.exists() else
                      f'{path} is a file, not a checkpoint or run directory',
                      'pass a checkpoints/step_<n> directory or a run directory')
-  from jaxckpt.checkpoint import layout
   uncommitted: list[Path] = []
   if (path / MANIFEST).is_file():
     targets = [path]

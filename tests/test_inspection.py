@@ -55,12 +55,6 @@ def call(argv, capsys):
   return code, out.out, out.err
 
 
-def test_constants_mirror_the_checkpoint_library():
-  assert inspection.MANIFEST == layout.MANIFEST
-  assert (inspection.FORMAT, inspection.FORMAT_VERSION) == (manifest.FORMAT,
-                                                            manifest.FORMAT_VERSION)
-
-
 # ------------------------------------------------------------------------------- inspect
 def test_inspect_prints_identity_and_every_tensor(run, capsys):
   step_dir = run / 'checkpoints' / STEP_20
