@@ -39,6 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.eval_every = 0  # steps between held-out evaluations (0: off)
   config.train.eval_batches = 4  # held-out batches per evaluation
   config.train.guard_finite = False  # refuse to commit a checkpoint holding NaN/inf
+  config.train.init_from = ''  # safetensors file with dotted names (an export) to start from
+  config.train.frozen = ()  # globs over dotted parameter names never updated, e.g. ('wte.*',)
 
   config.bandit = ml_collections.ConfigDict()
   config.bandit.floor = 0.05  # least probability of any source
@@ -68,6 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.mode = 'auto'  # async | sync | auto (async when a host copy fits in memory)
   config.checkpoint.keep = 3  # newest checkpoints kept (0: all)
   config.checkpoint.keep_every = 0  # steps divisible by this are kept forever (0: off)
+  config.checkpoint.storage = 'auto'  # raw: one flat file, O_DIRECT; orbax; auto: raw on 1 process
 
   # Exports under <workdir>/exports/, written from a checkpoint's host copy after it commits.
   config.export = ml_collections.ConfigDict()

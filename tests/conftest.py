@@ -89,9 +89,15 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300.0) -> None:
 
 
 def read_arrays(step_dir) -> dict[str, np.ndarray]:
-  """Every array of a checkpoint, read with orbax directly (not through jaxckpt)."""
+  """Every array of a checkpoint, read without jaxckpt: numpy for the raw store, else orbax."""
+  state = Path(step_dir) / 'state'
+  if (state / 'index.json').exists():
+    index = json.loads((state / 'index.json').read_text())['arrays']
+    return {name: np.fromfile(state / 'arrays.bin', dtype=np.dtype(a['dtype']),
+                              count=int(np.prod(a['shape'])), offset=a['offset']
+                              ).reshape(a['shape']) for name, a in index.items()}
   import orbax.checkpoint as ocp
-  restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(Path(step_dir) / 'state')
+  restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(state)
   return {k: np.asarray(v) for k, v in restored.items()}
 
 

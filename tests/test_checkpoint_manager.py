@@ -35,21 +35,24 @@ def host(tree):
   return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
 
 
-@pytest.mark.parametrize('mode', ['async', 'sync'])
-def test_round_trip_is_byte_exact(mesh, tmp_path, mode):
+@pytest.mark.parametrize('mode, storage', [('async', 'raw'), ('sync', 'raw'), ('async', 'orbax'),
+                                           ('sync', 'orbax')])
+def test_round_trip_is_byte_exact(mesh, tmp_path, mode, storage):
   state = make_state(mesh)
-  with CheckpointManager(tmp_path, CheckpointOptions(mode=mode)) as mgr:
+  with CheckpointManager(tmp_path, CheckpointOptions(mode=mode, storage=storage)) as mgr:
     mgr.save(5, state, {'data_position': 5})
   mgr = CheckpointManager(tmp_path)
+  assert mgr.read_manifest(5)['storage'] == storage
   restored, run_state = mgr.restore(mgr.latest_step(), abstract(state))
   assert host(restored) == host(state)
   assert run_state == {'step': 5, 'data_position': 5}
   assert restored['params']['w'].sharding == state['params']['w'].sharding
 
 
-def test_restore_onto_another_mesh(mesh, tmp_path):
+@pytest.mark.parametrize('storage', ['raw', 'orbax'])
+def test_restore_onto_another_mesh(mesh, tmp_path, storage):
   state = make_state(mesh)
-  with CheckpointManager(tmp_path) as mgr:
+  with CheckpointManager(tmp_path, CheckpointOptions(storage=storage)) as mgr:
     mgr.save(1, state)
   one = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
   target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
@@ -146,9 +149,10 @@ def test_debris_is_invisible_to_readers_and_removed_by_the_next_writer(mesh, tmp
   assert len(writer.removed_debris) == 3
 
 
-def test_damaged_checkpoint_is_refused(mesh, tmp_path):
+@pytest.mark.parametrize('storage', ['raw', 'orbax'])
+def test_damaged_checkpoint_is_refused(mesh, tmp_path, storage):
   state = make_state(mesh)
-  with CheckpointManager(tmp_path) as mgr:
+  with CheckpointManager(tmp_path, CheckpointOptions(storage=storage)) as mgr:
     mgr.save(1, state)
   manifest = json.loads((tmp_path / 'step_00000001' / layout.MANIFEST).read_text())
   biggest = max(manifest['files'], key=lambda f: manifest['files'][f]['size'])

@@ -195,11 +195,16 @@ def test_verify_an_intact_run_and_checkpoint(pristine, capsys):
 
 
 def _state_files(step_dir: Path) -> dict[str, str]:
+  """The checkpoint's file of each kind, for the raw store (the default) and for orbax."""
   files = manifest.read(step_dir)['files']
-  data = max((f for f in files if f.startswith('state/') and '/d/' in f),
-             key=lambda f: files[f]['size'])
+  if 'state/arrays.bin' in files:
+    data, metadata = 'state/arrays.bin', 'state/index.json'
+  else:
+    data = max((f for f in files if f.startswith('state/') and '/d/' in f),
+               key=lambda f: files[f]['size'])
+    metadata = 'state/_METADATA'
   return {'manifest': layout.MANIFEST, 'run_state': layout.RUN_STATE, 'state data': data,
-          'state metadata': 'state/_METADATA'}
+          'state metadata': metadata}
 
 
 def _corrupt(path: Path, how: str) -> None:

@@ -29,12 +29,13 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxckpt.checkpoint import layout, manifest
+from jaxckpt.checkpoint import layout, manifest, rawstore
 from jaxckpt.checkpoint.policy import RetentionPolicy, SavePolicy
 from jaxckpt.checkpoint.staging import HostStager
 from jaxckpt.errors import CheckpointError, JaxckptError, UsageError
 
 MODES = ('auto', 'async', 'sync')
+STORAGES = ('auto', 'raw', 'orbax')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +47,16 @@ class CheckpointOptions:
   keep: int = 3                 # newest checkpoints kept (0 keeps all)
   keep_every: int = 0           # steps divisible by this are kept forever
   verify_checksums: bool = True  # check every file's CRC before restoring it
+  storage: str = 'auto'         # raw: jaxckpt's flat file; orbax: tensorstore; auto: raw when
+                                # one process holds every array, orbax across processes
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise UsageError('E-CONFIG-004', f'checkpoint mode {self.mode!r} is not one of {MODES}',
                        'use --checkpoint_mode=auto|async|sync')
+    if self.storage not in STORAGES:
+      raise UsageError('E-CONFIG-004', f'checkpoint storage {self.storage!r} is not one of '
+                       f'{STORAGES}', 'use auto, raw or orbax')
     for field in ('every_steps', 'every_secs', 'keep', 'keep_every'):
       if getattr(self, field) < 0:
         raise UsageError('E-CONFIG-004', f'checkpoint {field}={getattr(self, field)} is negative',
@@ -155,23 +161,34 @@ class CheckpointManager:
     return 'async' if _available_host_memory() > 2 * nbytes else 'sync'
 
   def save(self, step: int, state: Any, run_state: Mapping[str, Any] | None = None, *,
-           metadata: Mapping[str, Any] | None = None) -> None:
+           metadata: Mapping[str, Any] | None = None,
+           exclude: Callable[[str], bool] | None = None) -> None:
     """Checkpoint `state` (any pytree of arrays) as `step`.
 
     Blocks while the previous save finishes and `state` is copied to host memory; the write
     continues in the background (or inline in sync mode). `run_state` is JSON (counters, data
     position, RNG); `metadata` is added to the manifest (identity, config, ...).
+
+    `exclude` leaves tensors out: a predicate on `named_leaves` names. They are neither copied nor
+    written; the manifest lists them under `excluded` (name, shape, dtype, spec), not under
+    `tensors`, and the caller restores them from elsewhere (`restore` a target without them).
     """
     if not self._writer:
       raise CheckpointError('E-CKPT-008', 'this manager was opened read-only', 'open a writer')
     t0 = time.perf_counter()
     self.wait_until_finished()
     leaves = named_leaves(state)
+    metadata = dict(metadata or {})
+    if exclude is not None:
+      left_out = {n: x for n, x in leaves.items() if exclude(n)}
+      leaves = {n: x for n, x in leaves.items() if n not in left_out}
+      if left_out:
+        metadata['excluded'] = tensor_table(left_out)
     table = tensor_table(leaves)
     staged = self._stager.stage(leaves)
     blocked = time.perf_counter() - t0
     self._last_save_step, self._last_save_time = step, self._clock()
-    job = (step, staged, table, dict(run_state or {}), dict(metadata or {}), t0, blocked)
+    job = (step, staged, table, dict(run_state or {}), metadata, t0, blocked)
     if self._resolved_mode(self._stager.nbytes()) == 'sync':
       self._write(*job)
       return
@@ -204,9 +221,16 @@ class CheckpointManager:
     tmp = layout.temporary_dir(self.directory, step)
     try:
       tmp.mkdir(parents=False)
-      _checkpointer().save(tmp / layout.STATE_DIR, args=ocp.args.PyTreeSave(staged))
+      storage = self._storage()
+      known = {}
+      if storage == 'raw':
+        known = {f'{layout.STATE_DIR}/{k}': v
+                 for k, v in rawstore.write(tmp / layout.STATE_DIR, staged).items()}
+      else:
+        _checkpointer().save(tmp / layout.STATE_DIR, args=ocp.args.PyTreeSave(staged))
+      metadata = {**metadata, 'storage': storage}
       layout.write_json_durably(tmp / layout.RUN_STATE, {'step': step, **run_state})
-      files = manifest.file_table(tmp)
+      files = manifest.file_table(tmp, known=known)
       final = self.step_dir(step)
       replaced = None
       if final.exists():  # an earlier history reached this step too: swap it out atomically
@@ -239,6 +263,11 @@ class CheckpointManager:
       raise CheckpointError('E-CKPT-009', f'the on_commit callback after checkpoint step {step} '
                             f'failed: {type(e).__name__}: {e}',
                             f'checkpoint step {step} is committed and intact') from e
+
+  def _storage(self) -> str:
+    if self.options.storage != 'auto':
+      return self.options.storage
+    return 'raw' if jax.process_count() == 1 else 'orbax'
 
   def _apply_retention(self) -> list[int]:
     """Delete what retention lets go; only ever called right after a commit."""
@@ -286,27 +315,52 @@ class CheckpointManager:
     """
     step_dir = self._resolve(step_or_dir)
     meta = manifest.read(step_dir)
-    problems = []
+    raw = meta.get('storage') == 'raw'
+    raw_data = f'{layout.STATE_DIR}/{rawstore.DATA}'
+    checksums = verify and self.options.verify_checksums
     if verify:
       problems = [p for p in (manifest.check_seal((step_dir / layout.MANIFEST).read_bytes(),
                                                   meta),) if p]
-      problems += manifest.verify(step_dir, meta, checksums=self.options.verify_checksums)
-    if problems:
-      raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problems[0]}'
-                            + (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
-                            'resume from an earlier checkpoint')
+      # The raw data file's CRC is checked while it is read below: one pass, not two.
+      problems += manifest.verify(step_dir, meta, checksums=checksums,
+                                  skip_checksum=[raw_data] if raw else [])
+      if problems:
+        raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problems[0]}'
+                              + (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
+                              'resume from an earlier checkpoint')
     want = named_leaves(target)
     saved = {t['name']: t for t in meta['tensors'] if only is None or only(t['name'])}
     _check_compatible(step_dir, saved, want)
-    item = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for n, x in want.items()}
-    restore_args = {n: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
-                                            dtype=x.dtype) for n, x in want.items()}
-    restored = _checkpointer().restore(
-        step_dir / layout.STATE_DIR, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=restore_args, partial_restore=only is not None))
+    if raw:
+      host = rawstore.read(step_dir / layout.STATE_DIR, list(want),
+                           expect_crc32=meta['files'][raw_data]['crc32'] if checksums else None,
+                           direct=verify)  # unverified: the caller's check just read the file
+      restored = {n: jax.device_put(host.pop(n), x.sharding) for n, x in want.items()}
+    else:
+      restored = _orbax_restore(step_dir, want, partial=only is not None)
     leaves = [restored[n] for n in want]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
     return state, layout.read_json(step_dir / layout.RUN_STATE)
+
+
+def read_host_arrays(step_dir: os.PathLike) -> dict[str, np.ndarray]:
+  """Every array of a committed checkpoint as host numpy, whatever wrote it; no devices used."""
+  step_dir = Path(step_dir).absolute()
+  meta = manifest.read(step_dir)
+  if meta.get('storage') == 'raw':
+    return rawstore.read(step_dir / layout.STATE_DIR)
+  args = {t['name']: ocp.RestoreArgs(restore_type=np.ndarray) for t in meta['tensors']}
+  restored = _checkpointer().restore(step_dir / layout.STATE_DIR,
+                                     args=ocp.args.PyTreeRestore(restore_args=args))
+  return {k: np.asarray(v) for k, v in restored.items()}
+
+
+def _orbax_restore(step_dir: Path, want: Mapping[str, Any], *, partial: bool) -> dict[str, Any]:
+  item = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for n, x in want.items()}
+  restore_args = {n: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                          dtype=x.dtype) for n, x in want.items()}
+  return _checkpointer().restore(step_dir / layout.STATE_DIR, args=ocp.args.PyTreeRestore(
+      item=item, restore_args=restore_args, partial_restore=partial))
 
 
 def _check_compatible(step_dir: Path, saved: Mapping[str, Any], want: Mapping[str, Any]) -> None:

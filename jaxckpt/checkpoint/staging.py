@@ -13,6 +13,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from jaxckpt.checkpoint import rawstore
 from jaxckpt.errors import CheckpointError
 
 
@@ -34,7 +35,8 @@ class HostStager:
       src = np.asarray(x)
       buf = self._buffers.get(name)
       if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-        buf = self._buffers[name] = np.empty(src.shape, src.dtype)
+        # Page-aligned and zero-padded: the raw store writes it to disk with O_DIRECT as is.
+        buf = self._buffers[name] = rawstore.aligned_empty(src.shape, src.dtype)
       np.copyto(buf, src)
       staged[name] = buf
     for name in set(self._buffers) - set(leaves):

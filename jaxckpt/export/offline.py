@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
-import orbax.checkpoint as ocp
 
 from jaxckpt import model as model_lib
 from jaxckpt.checkpoint import layout, manifest
+from jaxckpt.checkpoint.manager import read_host_arrays
 from jaxckpt.errors import CheckpointError, UsageError
 from jaxckpt.export import flatbin, hf, safetensors_io
 
@@ -127,11 +127,8 @@ def _model_config(step_dir: Path, meta: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _read_arrays(step_dir: Path, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
-  # As numpy, whatever mesh wrote them: no devices are needed, and none are touched.
-  args = {t['name']: ocp.RestoreArgs(restore_type=np.ndarray) for t in meta['tensors']}
-  restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(
-      step_dir.absolute() / layout.STATE_DIR, args=ocp.args.PyTreeRestore(restore_args=args))
-  return {k: np.asarray(v) for k, v in restored.items()}
+  # As numpy, whatever mesh (and storage) wrote them: no devices are needed, none are touched.
+  return read_host_arrays(step_dir)
 
 
 def export_checkpoint(step_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, *,
