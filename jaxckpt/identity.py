@@ -441,7 +441,9 @@ def _check_init_from(saved_pin, new_identity: Mapping[str, Any], where: str) -> 
     try:
       new_pin = pin_file(path)
     except OSError as e:
-      raise ResumeError('E-LOAD-001', f'the init_from file {path} pinned by {where} cannot be '
+      pinned = (f'pinned by {where}' if path == saved_pin['path'] else
+                f'(where {where} pinned {saved_pin["path"]})')
+      raise ResumeError('E-LOAD-001', f'the init_from file {path} {pinned} cannot be '
                         f'read: {e.strerror or e}', f'restore the file (size {saved_pin["size"]}, '
                         f'sha256 {saved_pin["sha256"]}) or start a new --workdir') from e
   if (new_pin['size'], new_pin['sha256']) != (saved_pin['size'], saved_pin['sha256']):

@@ -5,11 +5,16 @@ newest committed checkpoint: the same command starts, restarts and continues. Gi
 config, a continued run is bit-identical to one that never stopped: the batch of step k is a pure
 function of (seed, k), the learning rate is driven by the optimizer's own step count, and params,
 Adam m and v and every counter come back exactly.
+
+`config.train.init_from` starts a run from a safetensors file (an export of another run), pinned
+in every manifest; `config.train.frozen` names parameters the optimizer never touches. A frozen
+parameter the file holds is not checkpointed: each resume reads it from the pinned file again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import functools
 import importlib.metadata
 import os
@@ -36,7 +41,7 @@ from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, CommitInfo,
 from jaxckpt.checkpoint.lock import WorkdirLock
 from jaxckpt.checkpoint.manager import named_leaves
 from jaxckpt.errors import ConfigError, JaxckptError, ResumeError
-from jaxckpt.export import during_training
+from jaxckpt.export import during_training, safetensors_io
 from jaxckpt.export.offline import param_of_leaf
 from jaxckpt.bin_resume import restore_from_bin
 from jaxckpt.runlog import RunLog
@@ -57,12 +62,32 @@ def make_schedule(train_cfg) -> optax.Schedule:
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
+  """Global-norm clipping and AdamW; parameters matching `train_cfg.frozen` are left out of both.
+
+  Frozen parameters get a zero update and no optimizer state (no Adam m and v), and their
+  gradients do not count towards the clipping norm. Without frozen parameters the state has the
+  plain chain's structure (`1/0/mu`, ...); with them it is an `optax.partition` of the two.
+  """
   # Matrices decay, biases and LayerNorm parameters do not (GPT-2 / nanoGPT practice).
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.chain(
+  tx = optax.chain(
       optax.clip_by_global_norm(train_cfg.grad_clip),
       optax.adamw(make_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
                   weight_decay=train_cfg.weight_decay, mask=decay_mask))
+  frozen = tuple(train_cfg.get('frozen', ()))
+  if not frozen:
+    return tx
+  trainable = identity.trainable_fn(frozen)
+  labels = lambda params: _map_named(
+      lambda name, _: 'trainable' if trainable(name) else 'frozen', params)
+  return optax.partition({'trainable': tx, 'frozen': optax.set_to_zero()}, labels)
+
+
+def _map_named(fn: Callable[[str, Any], Any], params) -> Any:
+  """`fn(dotted name, leaf)` over a params tree, boxed (`nn.LogicallyPartitioned`) or not."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: fn(model_lib._dotted(path), x),  # pylint: disable=protected-access
+      params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
 @dataclasses.dataclass
@@ -111,10 +136,22 @@ def build_trainer(config, devices=None) -> Trainer:
     logits = model.apply({'params': params}, x)  # (B, T, V)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
+  trainable = identity.trainable_fn(config.train.get('frozen', ()))
+
+  def train_loss(params, batch):
+    # No gradient flows into a frozen parameter: XLA drops work it never needs (an embedding's
+    # scatter-add), and the reported grad_norm is the one clipping sees.
+    params = _map_named(lambda n, p: p if trainable(n) else jax.lax.stop_gradient(p), params)
+    return loss_fn(params, batch)
+
   def train_step(state: TrainState, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+    loss, grads = jax.value_and_grad(train_loss)(state.params, batch)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    # A frozen parameter keeps its exact bytes (p + 0.0 would turn -0.0 into +0.0): a resume
+    # reads it again from the init_from file and must find what the loop had.
+    params = jax.tree.map(lambda keep, new, old: new if keep else old,
+                          _map_named(lambda n, _: trainable(n), params), params, state.params)
     return TrainState(params, opt_state), {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
 
   batch_sh = (sharding.batch_sharding(mesh),) * 2
@@ -191,14 +228,108 @@ def validate_config(config) -> None:
     raise ConfigError('E-CONFIG-001', 'samples.prompt is as long as model.block_size',
                       'shorten --config.samples.prompt')
   bandit_lib.validate(config.bandit, list(config.data.sources))
+  _validate_frozen(config)
   checkpoint_options(config)  # validates mode and counts
   during_training.options_from_config(config)  # validates export cadence, formats, retention
+
+
+def _validate_frozen(config) -> None:
+  """train.frozen: globs that each name a parameter, and not all of them; train.init_from: a str."""
+  t = config.train
+  if not isinstance(t.get('init_from', ''), str):
+    raise ConfigError('E-CONFIG-006', f'train.init_from={t.init_from!r} is not a path',
+                      "set --config.train.init_from=PATH/model.safetensors, or '' for none")
+  frozen = t.get('frozen', ())
+  if isinstance(frozen, str) or not all(isinstance(g, str) for g in frozen):
+    raise ConfigError('E-CONFIG-006', f'train.frozen={frozen!r} is not a tuple of globs',
+                      "set --config.train.frozen=\"('wte.*', 'wpe.*')\"")
+  names = model_lib.parameter_names(config.model)
+  unmatched = [g for g in frozen if not any(fnmatch.fnmatchcase(n, g) for n in names)]
+  if unmatched:
+    raise ConfigError('E-CONFIG-006', f'train.frozen glob(s) {", ".join(map(repr, unmatched))} '
+                      'match no parameter of the model', 'globs match dotted names such as '
+                      f'{", ".join(names[:3])}, h.0.* (`jaxckpt inspect CKPT` lists them all)')
+  trainable = identity.trainable_fn(frozen)
+  if names and not any(trainable(n) for n in names):
+    raise ConfigError('E-CONFIG-006', f'train.frozen={tuple(frozen)!r} freezes every parameter: '
+                      'there is nothing to train', 'freeze fewer parameters')
+
+
+_INIT_FROM_FIX = ('point --config.train.init_from at a jaxckpt safetensors export of a model with '
+                  'this config (WORKDIR/exports/step_<n>/model.safetensors)')
+
+
+def pin_init_from(path: str, *, fresh: bool) -> dict[str, Any] | None:
+  """`identity.pin_file` of train.init_from (absolute path, size, sha256); None when unset.
+
+  On a fresh start a missing file is an error here (E-LOAD-002). On a resume it is pinned with
+  no size or sha256, and `identity.compare` refuses it (E-LOAD-001) before anything is loaded.
+  """
+  if not path:
+    return None
+  path = os.path.abspath(path)
+  try:
+    return identity.pin_file(path)
+  except OSError as e:
+    if fresh:
+      raise ConfigError('E-LOAD-002', f'cannot read train.init_from={path}: '
+                        f'{e.strerror or e}', _INIT_FROM_FIX) from e
+    return {'path': path, 'size': None, 'sha256': None}
+
+
+def read_init_from(path: str | os.PathLike, trainer: Trainer) -> dict[str, np.ndarray]:
+  """{dotted name: array} of an init_from file, checked against the model's parameters.
+
+  Every tensor of the file must be a parameter of the model with its shape; a float tensor
+  narrower than the parameter (bf16 into f32) is widened, exactly. A parameter the file does not
+  hold is not an error (a partial file): it keeps its fresh init.
+
+  Raises:
+    ConfigError (E-LOAD-002): the file cannot be read as safetensors.
+    ConfigError (E-LOAD-003): names or shapes that do not fit the model (named).
+  """
+  try:
+    tensors, _ = safetensors_io.read_model(path)
+  except Exception as e:  # OSError, or not safetensors (the library's own error types)
+    raise ConfigError('E-LOAD-002', f'cannot read train.init_from={path}: {type(e).__name__}: '
+                      f'{e}', _INIT_FROM_FIX) from e
+  model = model_lib.flatten_params(trainer.abstract_state().params, trainer.config.model)
+  unknown = [n for n in tensors if n not in model]
+  misfit = [n for n, x in tensors.items() if n in model and not _fits(x, model[n])]
+  if unknown or misfit or not tensors:
+    parts = ([f'not parameters of the model: {", ".join(unknown[:5])}'
+              + (f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else '')] if unknown else [])
+    parts += [f'{n} {tensors[n].dtype}{list(tensors[n].shape)} -> model '
+              f'{np.dtype(model[n].dtype)}{list(model[n].shape)}' for n in misfit[:5]]
+    parts += [f'(+{len(misfit) - 5} more)'] if len(misfit) > 5 else []
+    raise ConfigError('E-LOAD-003', f'train.init_from={path} does not fit the model: '
+                      + ('; '.join(parts) if parts else 'it holds no tensor'), _INIT_FROM_FIX)
+  return {n: np.asarray(tensors[n], dtype=model[n].dtype) for n in model if n in tensors}
+
+
+def _fits(x: np.ndarray, param) -> bool:
+  if tuple(x.shape) != tuple(param.shape):
+    return False
+  if x.dtype == param.dtype:
+    return True
+  floats = jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(param.dtype, jnp.floating)
+  return floats and x.dtype.itemsize <= np.dtype(param.dtype).itemsize
+
+
+def load_params(params, arrays: dict[str, np.ndarray]):
+  """`params` with the leaves named in `arrays` replaced, each placed on the leaf's sharding."""
+  def put(name, x):
+    if name not in arrays:
+      return x
+    value = arrays[name]
+    return jax.make_array_from_callback(value.shape, x.sharding, lambda idx: value[idx])
+  return _map_named(put, params)
 
 
 def checkpoint_options(config) -> CheckpointOptions:
   c = config.checkpoint
   return CheckpointOptions(every_steps=c.every, every_secs=c.secs, mode=c.mode, keep=c.keep,
-                           keep_every=c.keep_every)
+                           keep_every=c.keep_every, storage=c.storage)
 
 
 def find_resume_point(resume: str, ckpt_dir: Path) -> Path | None:
@@ -245,8 +376,13 @@ def versions() -> dict[str, str]:
   return out
 
 
-def run_identity(trainer: Trainer, provenance: dict | None = None) -> dict[str, Any]:
-  """What this run is, for every checkpoint's manifest (see `jaxckpt.identity`)."""
+def run_identity(trainer: Trainer, provenance: dict | None = None, *,
+                 init_from: dict[str, Any] | None = None) -> dict[str, Any]:
+  """What this run is, for every checkpoint's manifest (see `jaxckpt.identity`).
+
+  `init_from` is the pin of the file initial weights come from (`pin_init_from`); trainable per
+  parameter follows `config.train.frozen`.
+  """
   provenance = provenance or {}
   abstract = trainer.abstract_state()
   return identity.build(
@@ -254,7 +390,9 @@ def run_identity(trainer: Trainer, provenance: dict | None = None) -> dict[str, 
       partition_specs=trainer.state_shardings.params, mesh_shape=dict(trainer.mesh.shape),
       devices=jax.device_count(), processes=jax.process_count(),
       platform=jax.devices()[0].platform, knobs=provenance.get('knobs'),
-      sources=provenance.get('sources'), versions=versions())
+      sources=provenance.get('sources'),
+      trainable=identity.trainable_fn(trainer.config.train.get('frozen', ())),
+      init_from=init_from, versions=versions())
 
 
 class _Progress:
@@ -337,6 +475,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     resume_dir = find_resume_point(resume, ckpt_dir)
     dataset = data_lib.from_config(config)
     trainer = build_trainer(config)
+    pin = pin_init_from(config.train.get('init_from', ''), fresh=resume_dir is None)
     runlog = RunLog(workdir)
     exporter = during_training.Exporter(workdir / 'exports', config, runlog)  # cleans debris
 
@@ -347,7 +486,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                    deleted=list(info.deleted))
       runlog.status(last_checkpoint=info.step, last_checkpoint_path=str(info.path))
       # From the host copy this checkpoint staged, on the save thread; the next save waits.
-      exported = exporter.on_commit(info, stopping=watcher.stop_signal is not None)
+      # (`run` is bound below, before the first save.)
+      exported = exporter.on_commit(run.for_export(info),
+                                    stopping=watcher.stop_signal is not None)
       if exported:
         runlog.status(last_export=exported['step'])
 
@@ -356,7 +497,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
       runlog.event('lock_taken_over', previous=lock.previous_holder)
       logging.info('took over the lock of pid %s (not running)', lock.previous_holder.get('pid'))
     run = _Run(trainer, dataset, mgr, runlog, watcher, workdir,
-               identity=run_identity(trainer, provenance))
+               identity=run_identity(trainer, provenance, init_from=pin))
     try:
       state, step = _start(run, resume_dir)
       return _loop(run, state, step)
@@ -385,22 +526,108 @@ class _Run:
   workdir: Path
   identity: dict[str, Any]
   bandit: bandit_lib.Bandit | None = None
+  # The frozen parameters read from init_from, by dotted name. No checkpoint holds them (a resume
+  # reads the pinned file again); the exporter gets them from here.
+  file_frozen: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+  @functools.cached_property
+  def frozen_params(self) -> dict[str, jax.ShapeDtypeStruct]:
+    """{dotted name: shape and dtype} of the parameters `config.train.frozen` names."""
+    trainable = identity.trainable_fn(self.trainer.config.train.get('frozen', ()))
+    params = self.trainer.abstract_state().params
+    return {n: x for n, x in model_lib.flatten_params(params, self.trainer.config.model).items()
+            if not trainable(n)}
+
+  def not_saved(self, leaf: str) -> bool:
+    """The `exclude` of `CheckpointManager.save`: frozen parameters the init_from file holds."""
+    which = param_of_leaf(leaf)
+    return which is not None and which[0] == 'params' and which[1] in self.file_frozen
+
+  def for_export(self, info: CommitInfo) -> CommitInfo:
+    """`info` with what a checkpoint leaves out put back, for the exporter.
+
+    That is the frozen parameters the init_from file holds, and zero Adam moments for every
+    frozen parameter: they have none, and zeros are what Adam starts from should a later run
+    train them.
+    """
+    if not self.frozen_params:
+      return info
+    extra = {'params/' + n.replace('.', '/'): x for n, x in self.file_frozen.items()}
+    if any((param_of_leaf(leaf) or ('',))[0] == 'm' for leaf in info.staged):
+      for name, x in self.frozen_params.items():
+        zeros, path = np.zeros(x.shape, x.dtype), name.replace('.', '/')
+        extra[f'opt_state/frozen/mu/{path}'] = extra[f'opt_state/frozen/nu/{path}'] = zeros
+    return dataclasses.replace(info, staged={**info.staged, **extra})
+
+
+def _init_from_file(run: _Run, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+  """A fresh state with the parameters the init_from file holds loaded; the event's fields."""
+  pin = run.identity['init_from']
+  arrays = read_init_from(pin['path'], run.trainer)
+  state = state.replace(params=load_params(state.params, arrays))
+  run.file_frozen = {n: x for n, x in arrays.items() if n in run.frozen_params}
+  fresh = [n for n in model_lib.parameter_names(run.trainer.config.model) if n not in arrays]
+  return state, {'path': pin['path'], 'sha256': pin['sha256'], 'loaded': list(arrays),
+                 'fresh_init': fresh, 'frozen': list(run.frozen_params),
+                 'not_checkpointed': list(run.file_frozen)}
+
+
+def _restore(run: _Run, resume_dir: Path, meta: dict[str, Any]
+             ) -> tuple[TrainState, dict[str, Any], dict[str, Any] | None]:
+  """Restore `resume_dir`: (state, run_state, the init_from event's fields or None).
+
+  The parameters its manifest lists as `excluded` (frozen, from init_from) are read from the
+  pinned file, which `identity.compare` has just found unchanged.
+  """
+  abstract = run.trainer.abstract_state()
+  new_pin = run.identity.get('init_from')
+  pin = new_pin or meta.get('init_from')  # the config may drop init_from; the file still counts
+  left_out = [t['name'] for t in meta.get('excluded') or []]
+  arrays = {}
+  if pin is not None and (left_out or (new_pin and run.frozen_params)):
+    arrays = read_init_from(pin['path'], run.trainer)
+  if new_pin:  # else the checkpoints this run writes hold every parameter
+    run.file_frozen = {n: x for n, x in arrays.items() if n in run.frozen_params}
+  if not left_out:
+    state, run_state = run.mgr.restore(resume_dir, abstract, verify=False)
+    return state, run_state, None
+  leaves = named_leaves(abstract)
+  dotted = lambda leaf: (param_of_leaf(leaf) or ('', leaf))[1]
+  unreadable = [n for n in left_out if n not in leaves or dotted(n) not in arrays]
+  if unreadable:
+    raise ResumeError('E-LOAD-001', f'{resume_dir} does not hold {", ".join(unreadable[:5])} '
+                      'and its pinned init_from file does not either', 'resume from a checkpoint '
+                      'that holds them, or start a new --workdir')
+  restored, run_state = run.mgr.restore(
+      resume_dir, {n: x for n, x in leaves.items() if n not in left_out}, verify=False)
+  for name in left_out:
+    value = arrays[dotted(name)]
+    restored[name] = jax.make_array_from_callback(value.shape, leaves[name].sharding,
+                                                  lambda idx, value=value: value[idx])
+  state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(abstract),
+                                       [restored[n] for n in leaves])
+  read = {dotted(n) for n in left_out}
+  return state, run_state, {'path': pin['path'], 'sha256': pin['sha256'], 'read': [
+      n for n in model_lib.parameter_names(run.trainer.config.model) if n in read]}
 
 
 def _start(run: _Run, resume_dir: Path | None) -> tuple[TrainState, int]:
   """The initial state and bandit: fresh, or restored from `resume_dir`."""
   config, runlog, mgr = run.trainer.config, run.runlog, run.mgr
   changes: list[str] = []
+  loaded = None  # the init_from event's fields
   if resume_dir is None:
     state, step, run_state = run.trainer.init_fn(jax.random.key(config.seed)), 0, {}
+    if run.identity.get('init_from'):
+      state, loaded = _init_from_file(run, state)
   elif resume_dir.suffix == '.bin':
     state, run_state = restore_from_bin(run.trainer, resume_dir, mgr.directory, runlog)
     step = int(run_state['step'])
   else:
     # Refuse what does not fit before loading anything; record what changed and is allowed.
-    changes = identity.compare(mgr.read_manifest(resume_dir), run.identity,
-                               where=str(resume_dir)).lines
-    state, run_state = mgr.restore(resume_dir, run.trainer.abstract_state(), verify=False)
+    meta = mgr.read_manifest(resume_dir)
+    changes = identity.compare(meta, run.identity, where=str(resume_dir)).lines
+    state, run_state, loaded = _restore(run, resume_dir, meta)
     step = int(run_state['step'])
   runlog.event('started', step=step, segment=runlog.segment, devices=jax.device_count(),
                mesh=dict(run.trainer.mesh.shape))
@@ -409,6 +636,8 @@ def _start(run: _Run, resume_dir: Path | None) -> tuple[TrainState, int]:
     logging.info('resumed from %s (step %d)', resume_dir, step)
     for line in changes:
       logging.info('changed since the checkpoint: %s', line)
+  if loaded is not None:
+    _report_init_from(runlog, step, loaded)
   if mgr.removed_debris:
     runlog.event('cleaned', paths=[str(p) for p in mgr.removed_debris])
     logging.info('removed %d incomplete checkpoint(s)', len(mgr.removed_debris))
@@ -416,6 +645,23 @@ def _start(run: _Run, resume_dir: Path | None) -> tuple[TrainState, int]:
   runlog.status(state='running', step=step, total_steps=config.train.steps,
                 last_checkpoint=mgr.latest_step(), phase=run.bandit.state['phase'], error=None)
   return state, step
+
+
+def _report_init_from(runlog: RunLog, step: int, fields: dict[str, Any]) -> None:
+  """One `init_from` event and a log line or three: what came from the file, what did not."""
+  runlog.event('init_from', step=step, **fields)
+  if 'read' in fields:
+    logging.info('read %d frozen parameter(s) the checkpoint does not hold from init_from %s: %s',
+                 len(fields['read']), fields['path'], ', '.join(fields['read']))
+    return
+  loaded, fresh = fields['loaded'], fields['fresh_init']
+  logging.info('initialized %d of %d parameters from init_from %s (sha256 %s)', len(loaded),
+               len(loaded) + len(fresh), fields['path'], fields['sha256'][:12])
+  if fresh:
+    logging.info('not in init_from, fresh init: %s', ', '.join(fresh))
+  if fields['not_checkpointed']:
+    logging.info('frozen and read from init_from on every resume, not checkpointed: %s',
+                 ', '.join(fields['not_checkpointed']))
 
 
 def _start_bandit(run: _Run, saved: dict | None) -> bandit_lib.Bandit:
@@ -458,7 +704,8 @@ def _loop(run: _Run, state: TrainState, step: int) -> TrainState:
     bandit_state = run.bandit.snapshot()
     run_state = {'seed': config.seed, **counters, 'bandit': bandit_state}
     mgr.save(step, state, run_state,
-             metadata={**run.identity, 'counters': counters, 'finished': step == total})
+             metadata={**run.identity, 'counters': counters, 'finished': step == total},
+             exclude=run.not_saved if run.file_frozen else None)
     phases.write_bandit_mirror(run.workdir, step, bandit_state)
     saved.add(step)
 

@@ -1,0 +1,263 @@
+"""init_from and frozen parameters: loaded from a pinned file, never updated, never checkpointed.
+
+The init file is the `model.safetensors` export of a short tiny run. The end-to-end runs train
+the tiny config from it with the embeddings frozen; a run SIGKILLed after its first checkpoint
+and started again must end with the same bytes as one that never stopped, although no checkpoint
+holds the frozen embeddings (each start reads them from the file again).
+"""
+
+import json
+import shutil
+import signal
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import assert_same_bytes, committed_steps, read_arrays, read_events, wait_for
+from jaxckpt import identity, model as model_lib, train
+from jaxckpt.checkpoint.manager import named_leaves
+from jaxckpt.errors import ConfigError, ResumeError
+from jaxckpt.export import safetensors_io
+from jaxckpt.runlog import read_loss_history
+from test_identity import tiny
+
+STEPS = 30
+FROZEN = ('wte.*', 'wpe.*')
+FROZEN_NAMES = ['wte.embedding', 'wpe.embedding']
+FROZEN_LEAVES = ['params/wte/embedding', 'params/wpe/embedding']
+
+
+def run_flags(init_file, frozen=FROZEN, steps=STEPS):
+  return (f'--config.train.steps={steps}', '--checkpoint_every=10', '--keep=0',
+          '--config.train.log_every=10', f'--config.train.init_from={init_file}',
+          f'--config.train.frozen={frozen!r}')
+
+
+def last_line(r) -> str:
+  return r.stderr.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope='module')
+def init_file(trainer, tmp_path_factory) -> Path:
+  """The safetensors export of step 10 of a tiny run."""
+  workdir = tmp_path_factory.mktemp('source')
+  r = trainer.run(workdir, '--config.train.steps=10', '--checkpoint_every=10',
+                  '--export_every=10', '--export_formats=safetensors')
+  assert r.returncode == 0, r.stderr
+  return workdir / 'exports' / 'step_00000010' / 'model.safetensors'
+
+
+@pytest.fixture(scope='module')
+def straight(trainer, init_file, tmp_path_factory) -> Path:
+  """A run of STEPS steps from `init_file` with the embeddings frozen, never stopped."""
+  workdir = tmp_path_factory.mktemp('straight')
+  r = trainer.run(workdir, *run_flags(init_file), f'--export_every={STEPS}',
+                  '--export_formats=safetensors,bin', '--export_optimizer')
+  assert r.returncode == 0, r.stderr
+  return workdir
+
+
+@pytest.fixture(scope='module')
+def pinned(trainer, init_file, tmp_path_factory) -> tuple[Path, Path]:
+  """(workdir, init file) of a 10-step run from a partial copy of `init_file` (no lm_head)."""
+  root = tmp_path_factory.mktemp('pinned')
+  tensors, _ = safetensors_io.read_model(init_file)
+  partial = root / 'partial.safetensors'
+  safetensors_io.write_model(partial, {n: x for n, x in tensors.items() if n != 'lm_head.kernel'})
+  r = trainer.run(root / 'run', *run_flags(partial, steps=10))
+  assert r.returncode == 0, r.stderr
+  assert 'not in init_from, fresh init: lm_head.kernel' in r.stderr
+  return root / 'run', partial
+
+
+# ----------------------------------------------------------------------------- in process
+def test_loaded_values_equal_the_files_on_the_right_shardings(init_file, tmp_path):
+  config = tiny(**{'mesh.model': 2})
+  trainer = train.build_trainer(config)
+  state = trainer.init_fn(jax.random.key(config.seed))
+  arrays = train.read_init_from(init_file, trainer)
+  file_tensors, _ = safetensors_io.read_model(init_file)
+  assert list(arrays) == model_lib.parameter_names(config.model)
+  loaded = model_lib.flatten_params(train.load_params(state.params, arrays), config.model)
+  shardings = model_lib.flatten_params(trainer.state_shardings.params, config.model)
+  for name, x in loaded.items():
+    assert np.asarray(x).tobytes() == file_tensors[name].tobytes(), name
+    assert x.sharding == shardings[name], name
+
+  # A partial file: what it lacks keeps the fresh init.
+  partial = tmp_path / 'partial.safetensors'
+  safetensors_io.write_model(partial, {n: x for n, x in file_tensors.items()
+                                       if not n.startswith('h.1.')})
+  fresh = model_lib.flatten_params(state.params, config.model)
+  loaded = model_lib.flatten_params(
+      train.load_params(state.params, train.read_init_from(partial, trainer)), config.model)
+  for name, x in loaded.items():
+    want = fresh[name] if name.startswith('h.1.') else file_tensors[name]
+    assert np.asarray(x).tobytes() == np.asarray(want).tobytes(), name
+
+
+def test_a_file_that_does_not_fit_is_refused_naming_what(init_file, tmp_path):
+  trainer = train.build_trainer(tiny())
+  tensors, _ = safetensors_io.read_model(init_file)
+  bad = tmp_path / 'bad.safetensors'
+  safetensors_io.write_model(bad, {**tensors, 'wpe.embedding': tensors['wpe.embedding'][:32],
+                                   'transformer.wte.weight': tensors['wte.embedding']})
+  with pytest.raises(ConfigError) as e:
+    train.read_init_from(bad, trainer)
+  assert e.value.code == 'E-LOAD-003' and e.value.exit_code == 2
+  assert 'train.init_from=' in e.value.what
+  assert 'not parameters of the model: transformer.wte.weight' in e.value.what
+  assert 'wpe.embedding float32[32, 64] -> model float32[64, 64]' in e.value.what
+
+  garbage = tmp_path / 'garbage.safetensors'
+  garbage.write_bytes(b'not a safetensors file')
+  with pytest.raises(ConfigError, match='E-LOAD-002: cannot read train.init_from='):
+    train.read_init_from(garbage, trainer)
+  missing = tmp_path / 'missing.safetensors'
+  with pytest.raises(ConfigError, match='E-LOAD-002: cannot read train.init_from=.*No such file'):
+    train.pin_init_from(str(missing), fresh=True)
+  # On a resume a missing file is pinned as unreadable; identity.compare refuses it (E-LOAD-001).
+  assert train.pin_init_from(str(missing), fresh=False) == {
+      'path': str(missing), 'size': None, 'sha256': None}
+  assert train.pin_init_from('', fresh=True) is None
+
+
+@pytest.mark.parametrize('frozen, message', [
+    (('wte.*', 'nope.*'), "train.frozen glob(s) 'nope.*' match no parameter"),
+    (('*',), 'freezes every parameter'),
+    (('wte.*', 3), 'is not a tuple of globs'),
+])
+def test_frozen_globs_are_validated(frozen, message):
+  with pytest.raises(ConfigError) as e:
+    train.validate_config(tiny(**{'train.frozen': frozen}))
+  assert e.value.code == 'E-CONFIG-006' and message in e.value.what
+
+
+def test_frozen_parameters_never_change_and_have_no_optimizer_state(init_file):
+  config = tiny(**{'mesh.model': 2, 'train.frozen': FROZEN})
+  trainer = train.build_trainer(config)
+  state = trainer.init_fn(jax.random.key(0))
+  arrays = train.read_init_from(init_file, trainer)
+  arrays['wpe.embedding'] = arrays['wpe.embedding'].copy()
+  arrays['wpe.embedding'][0, :4] = -0.0  # p + 0.0 would be +0.0: a frozen value keeps its bytes
+  state = state.replace(params=train.load_params(state.params, arrays))
+  before = {n: np.asarray(x).copy() for n, x in
+            model_lib.flatten_params(state.params, config.model).items()}
+  rng = np.random.default_rng(0)
+  for _ in range(2):
+    tokens = rng.integers(0, 256, (16, 65), dtype=np.int32)
+    state, _ = trainer.train_step(state, trainer.put_batch((tokens[:, :-1], tokens[:, 1:])))
+  after = model_lib.flatten_params(state.params, config.model)
+  for name in FROZEN_NAMES:
+    assert np.asarray(after[name]).tobytes() == before[name].tobytes(), name
+  assert not np.array_equal(np.asarray(after['h.0.attn.c_attn.kernel']),
+                            before['h.0.attn.c_attn.kernel'])
+  moments = [n for n in named_leaves(state.opt_state) if n.split('/')[-2:] in
+             (['wte', 'embedding'], ['wpe', 'embedding'])]
+  assert not moments, moments  # no Adam m and v for frozen parameters
+
+
+def test_freezing_on_resume_is_param_003_not_opt_001():
+  """A frozen run's optimizer state differs from an unfrozen one's; trainable is checked first."""
+  plain = train.run_identity(train.build_trainer(tiny()))
+  frozen = train.run_identity(train.build_trainer(tiny(**{'train.frozen': FROZEN})))
+  assert plain['optimizer'] != frozen['optimizer']
+  assert 'wte.embedding' not in frozen['optimizer']
+  assert {r['path'] for r in frozen['parameters'] if not r['trainable']} == set(FROZEN_NAMES)
+  for saved, new, said in ((plain, frozen, 'trainable in the checkpoint, frozen now'),
+                           (frozen, plain, 'frozen in the checkpoint, trainable now')):
+    with pytest.raises(ResumeError) as e:
+      identity.compare(saved, new)
+    assert e.value.code == 'E-PARAM-003' and said in e.value.what
+
+
+# ------------------------------------------------------------------------ end to end
+def test_the_file_is_pinned_and_frozen_file_params_are_not_checkpointed(straight, init_file):
+  step_dir = straight / 'checkpoints' / f'step_{STEPS:08d}'
+  manifest = json.loads((step_dir / 'manifest.json').read_text())
+  pin = identity.pin_file(init_file)
+  assert manifest['init_from'] == {**pin, 'path': str(init_file.absolute())}
+  assert manifest['knobs']['train.frozen']['value'] == list(FROZEN)
+  names = [t['name'] for t in manifest['tensors']]
+  assert not [n for n in names if 'wte/embedding' in n or 'wpe/embedding' in n]
+  assert sorted(t['name'] for t in manifest['excluded']) == sorted(FROZEN_LEAVES)
+  arrays = read_arrays(step_dir)
+  assert sorted(arrays) == sorted(names)
+  assert 'params/h/0/attn/c_attn/kernel' in arrays
+  trainable = {r['path']: r['trainable'] for r in manifest['parameters']}
+  assert [n for n, t in trainable.items() if not t] == FROZEN_NAMES
+  started = [e for e in read_events(straight) if e['event'] == 'init_from']
+  assert len(started) == 1 and started[0]['fresh_init'] == []
+  assert started[0]['not_checkpointed'] == FROZEN_NAMES
+
+
+def test_frozen_values_are_unchanged_after_training(straight, init_file):
+  exported, _ = safetensors_io.read_model(
+      straight / 'exports' / f'step_{STEPS:08d}' / 'model.safetensors')
+  source, _ = safetensors_io.read_model(init_file)
+  assert sorted(exported) == sorted(source)
+  for name in source:
+    same = exported[name].tobytes() == source[name].tobytes()
+    assert same == (name in FROZEN_NAMES), name
+  m, v, _ = safetensors_io.read_optimizer(
+      straight / 'exports' / f'step_{STEPS:08d}' / 'optimizer.safetensors')
+  assert not m['wte.embedding'].any() and not v['wpe.embedding'].any()  # no moments: zeros
+  assert m['h.0.attn.c_attn.kernel'].any()
+  assert (straight / 'exports' / f'step_{STEPS:06d}.bin').is_file()
+
+
+def test_killed_run_resumes_bit_exactly_reading_the_file_again(trainer, straight, init_file,
+                                                               tmp_path):
+  proc = trainer.start(tmp_path, *run_flags(init_file))
+  wait_for(lambda: 10 in committed_steps(tmp_path), proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  survived = committed_steps(tmp_path)
+  assert max(survived) < STEPS, 'the run finished before it could be killed'
+
+  again = trainer.run(tmp_path, *run_flags(init_file))
+  assert again.returncode == 0, again.stderr
+  assert 'read 2 frozen parameter(s) the checkpoint does not hold from init_from' in again.stderr
+
+  final = lambda w: read_arrays(w / 'checkpoints' / f'step_{STEPS:08d}')
+  assert_same_bytes(final(tmp_path), final(straight))
+  losses = lambda w: {s: row['loss'] for s, row in read_loss_history(w).items()}
+  assert losses(tmp_path) == losses(straight)
+  reads = [e for e in read_events(tmp_path) if e['event'] == 'init_from' and 'read' in e]
+  assert [(e['step'], e['read']) for e in reads] == [(max(survived), FROZEN_NAMES)]
+
+
+def test_changing_frozen_on_resume_is_refused(trainer, pinned):
+  workdir, partial = pinned
+  for frozen, said in ((('wte.*',), 'frozen in the checkpoint, trainable now: wpe.embedding'),
+                       (FROZEN + ('ln_f.*',), 'trainable in the checkpoint, frozen now: ln_f')):
+    r = trainer.run(workdir, *run_flags(partial, frozen=frozen, steps=20))
+    assert r.returncode == 2, r.stderr
+    assert last_line(r).startswith('jaxckpt: E-PARAM-003: ') and said in last_line(r)
+
+
+def test_a_changed_init_from_file_is_refused_before_loading(trainer, pinned, tmp_path):
+  workdir, partial = pinned
+  original = partial.read_bytes()
+  kept = tmp_path / 'kept.safetensors'
+  shutil.copyfile(partial, kept)
+  data = bytearray(original)
+  data[-1] ^= 0x01  # one bit of a tensor: same size, another sha256
+  partial.write_bytes(bytes(data))
+  r = trainer.run(workdir, *run_flags(partial, steps=10))
+  assert r.returncode == 2, r.stderr
+  line = last_line(r)
+  assert line.startswith('jaxckpt: E-LOAD-001: ') and str(partial) in line
+  assert f'size {len(original)} -> {len(original)}, sha256' in line
+
+  partial.unlink()
+  r = trainer.run(workdir, *run_flags(partial, steps=10))
+  assert r.returncode == 2, r.stderr
+  assert last_line(r).startswith('jaxckpt: E-LOAD-001: ') and 'cannot be read' in last_line(r)
+
+  shutil.copyfile(kept, partial)  # the pinned bytes are back: the run continues
+  r = trainer.run(workdir, *run_flags(partial, steps=20))
+  assert r.returncode == 0, r.stderr
+  assert committed_steps(workdir)[-1] == 20
