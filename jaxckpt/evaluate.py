@@ -23,7 +23,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxckpt.errors import CheckpointError, ConfigError, UsageError
+from jaxckpt import identity
+from jaxckpt import model as model_lib
+from jaxckpt.checkpoint.manager import named_leaves
+from jaxckpt.errors import CheckpointError, ConfigError, JaxckptError, UsageError
 from jaxckpt.inspection import ArgumentParser
 
 RESULTS = 'evaluated.json'
@@ -111,19 +114,25 @@ class Evaluator:
     from jaxckpt import train
     from jaxckpt.checkpoint import layout
     trainer, dataset = self._trainer_and_data(meta.get('config') or {})
-    target = {'params': trainer.abstract_state().params}
+    abstract = trainer.abstract_state().params
+    excluded = {t['name'] for t in meta.get('excluded') or []}
+    # Flat targets by checkpoint name, without what the checkpoint left out (frozen, from file).
+    target = {n: x for n, x in named_leaves({'params': abstract}).items() if n not in excluded}
     try:
-      state, _ = self.mgr.restore(path, target, only=_is_params)
+      flat, _ = self.mgr.restore(path, target, only=_is_params)
+      from_file = identity.read_excluded(path, meta)
     except Exception as e:  # pylint: disable=broad-except
       if not path.exists():  # retention renames before it deletes: gone, not damaged
         self.warn(f'jaxckpt: step {step}: {path} was deleted (retention) before it could be '
                   'evaluated; skipped')
         return None
-      if not isinstance(e, CheckpointError):
+      if not isinstance(e, JaxckptError):
         raise
       self._skip(step, meta.get('committed_at'), e.line())
       return None
-    loss = train.evaluate(trainer, state['params'], dataset)
+    dotted = {'.'.join(n.split('/')[1:]): x for n, x in flat.items()}
+    params = model_lib.unflatten_params({**dotted, **from_file}, abstract)
+    loss = train.evaluate(trainer, params, dataset)
     self.results[str(step)] = {'heldout_loss': loss, 'evaluated_at': time.time(),
                                'path': str(path), 'committed_at': meta.get('committed_at')}
     layout.write_json_durably(self.workdir / RESULTS,

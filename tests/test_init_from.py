@@ -9,13 +9,15 @@ holds the frozen embeddings (each start reads them from the file again).
 import json
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import assert_same_bytes, committed_steps, read_arrays, read_events, wait_for
+from conftest import REPO, assert_same_bytes, committed_steps, read_arrays, read_events, wait_for
 from jaxckpt import identity, model as model_lib, train
 from jaxckpt.checkpoint.manager import named_leaves
 from jaxckpt.errors import ConfigError, ResumeError
@@ -261,3 +263,28 @@ def test_a_changed_init_from_file_is_refused_before_loading(trainer, pinned, tmp
   r = trainer.run(workdir, *run_flags(partial, steps=20))
   assert r.returncode == 0, r.stderr
   assert committed_steps(workdir)[-1] == 20
+
+
+def test_export_and_evaluate_read_frozen_parameters_from_the_pinned_file(trainer, tmp_path,
+                                                                        init_file):
+  """Checkpoints leave file-backed frozen parameters out; the offline tools read them back."""
+  run = tmp_path / 'run'
+  r = trainer.run(run, '--config.train.steps=10', '--checkpoint_every=10',
+                  f'--config.train.init_from={init_file}', "--config.train.frozen=('wte.*',)")
+  assert r.returncode == 0, r.stderr
+  ckpt = run / 'checkpoints' / 'step_00000010'
+  out = tmp_path / 'model.bin'
+  export = subprocess.run([sys.executable, '-m', 'jaxckpt.cli', 'export', str(ckpt),
+                           '--format=bin', f'--out={out}'], capture_output=True, text=True,
+                          cwd=REPO)
+  assert export.returncode == 0, export.stderr
+  from jaxckpt.export import flatbin, hf
+  from configs import tiny
+  _, params, m, _ = flatbin.read_bin(out, hf.param_shapes(tiny.get_config().model))
+  expected, _ = safetensors_io.read_model(init_file)
+  np.testing.assert_array_equal(params['wte.embedding'], expected['wte.embedding'])
+  assert not m['wte.embedding'].any()  # frozen: no moments, exported as zeros
+  evaluate = subprocess.run([sys.executable, '-m', 'jaxckpt.cli', 'evaluate',
+                             f'--workdir={run}'], capture_output=True, text=True, cwd=REPO)
+  assert evaluate.returncode == 0, evaluate.stderr
+  assert '10' in json.loads((run / 'evaluated.json').read_text())

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from jaxckpt import identity
 from jaxckpt import model as model_lib
 from jaxckpt.checkpoint import layout, manifest
 from jaxckpt.checkpoint.manager import read_host_arrays
@@ -97,7 +98,13 @@ def read_checkpoint(step_dir: str | os.PathLike, model_cfg=None) -> dict[str, An
                        f'{kind} of {name} ({leaf})', 'this exporter understands one optax Adam '
                        'state; export the weights only (--format=hf)')
     found[kind][name] = array
+  # Frozen parameters from an init_from file are not in the checkpoint: read them from the
+  # pinned file, and give them the zero moments Adam starts from (they have none).
+  found['params'].update(identity.read_excluded(step_dir, meta))
   adam = bool(found['m'] and found['v'])
+  for name in found['params'] if adam else ():
+    for kind in ('m', 'v'):
+      found[kind].setdefault(name, np.zeros_like(found['params'][name], dtype=np.float32))
   for kind in ('params', 'm', 'v') if adam else ('params',):
     hf.check_params(found[kind], cfg)
   order = model_lib.parameter_names(cfg)
