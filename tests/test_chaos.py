@@ -13,12 +13,17 @@ import time
 
 import pytest
 
-from conftest import assert_same_bytes, committed_steps, read_arrays, read_events, wait_for
+from conftest import assert_same_bytes, read_arrays, read_events, wait_for
 from jaxckpt.runlog import read_loss_history
 
-STEPS = 150
-FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=2', '--checkpoint_mode=async',
-         '--keep=2', '--config.train.log_every=1', '--config.samples.every=50')
+SHORT_STEPS = 150
+LONG_STEPS = 3000  # enough that 100 short lives do not reach the end
+
+
+def flags(steps: int) -> tuple[str, ...]:
+  return (f'--config.train.steps={steps}', '--checkpoint_every=2', '--checkpoint_mode=async',
+          '--keep=2', '--config.train.log_every=1', '--config.samples.every=50',
+          '--export_every=0')
 
 
 def loss_lines(workdir):
@@ -26,12 +31,15 @@ def loss_lines(workdir):
   return path.read_text().count('\n') if path.exists() else 0
 
 
-def chaos(trainer, workdir, straight, kills: int, seed: int) -> dict:
+def chaos(trainer, workdir, straight, kills: int, seed: int, steps: int,
+          max_life: float) -> dict:
+  """Kill and restart until `kills` kills (or the run ends); then finish and compare."""
+  run_flags = flags(steps)
   rng = random.Random(seed)
   stats = {'kills': 0, 'during_startup': 0, 'restarts': 0, 'finished_early': False}
   while stats['kills'] < kills:
     before = loss_lines(workdir)
-    proc = trainer.start(workdir, *FLAGS)
+    proc = trainer.start(workdir, *run_flags)
     if rng.random() < 0.2:
       time.sleep(rng.uniform(0.0, 2.5))  # somewhere in start-up: imports, restore, compile
       stats['during_startup'] += 1
@@ -42,7 +50,7 @@ def chaos(trainer, workdir, straight, kills: int, seed: int) -> dict:
         assert proc.returncode == 0, f'a restart failed: {e}'
         stats['finished_early'] = True
         break
-      time.sleep(rng.uniform(0.0, 1.5))
+      time.sleep(rng.uniform(0.0, max_life))
     if proc.poll() is not None:
       assert proc.returncode == 0, f'a restart failed with {proc.returncode}'
       stats['finished_early'] = True
@@ -50,34 +58,35 @@ def chaos(trainer, workdir, straight, kills: int, seed: int) -> dict:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     stats['kills'] += 1
-  final = trainer.run(workdir, *FLAGS)
+  final = trainer.run(workdir, *run_flags)
   assert final.returncode == 0, final.stderr
   stats['restarts'] = sum(1 for e in read_events(workdir) if e['event'] == 'resumed')
-  assert_same_bytes(read_arrays(workdir / 'checkpoints' / f'step_{STEPS:08d}'),
-                    read_arrays(straight / 'checkpoints' / f'step_{STEPS:08d}'))
+  assert_same_bytes(read_arrays(workdir / 'checkpoints' / f'step_{steps:08d}'),
+                    read_arrays(straight / 'checkpoints' / f'step_{steps:08d}'))
   assert ({s: r['loss'] for s, r in read_loss_history(workdir).items()}
           == {s: r['loss'] for s, r in read_loss_history(straight).items()})
   return stats
 
 
-@pytest.fixture(scope='module')
-def straight(trainer, tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('straight')
-  r = trainer.run(workdir, *FLAGS)
+def straight_run(trainer, workdir, steps):
+  r = trainer.run(workdir, *flags(steps))
   assert r.returncode == 0, r.stderr
   return workdir
 
 
-def test_chaos_short(trainer, straight, tmp_path):
-  stats = chaos(trainer, tmp_path, straight, kills=4, seed=0)
+def test_chaos_short(trainer, tmp_path):
+  straight = straight_run(trainer, tmp_path / 'straight', SHORT_STEPS)
+  stats = chaos(trainer, tmp_path / 'run', straight, kills=4, seed=0, steps=SHORT_STEPS,
+                max_life=1.5)
   print('chaos:', stats)
   assert stats['restarts'] >= 2  # the kills landed after commits, not only before the first
 
 
 @pytest.mark.slow
-def test_chaos_long(trainer, straight, tmp_path):
+def test_chaos_long(trainer, tmp_path):
   kills = int(os.environ.get('JAXCKPT_CHAOS_KILLS', '100'))
-  # Long enough that the kills, not the end of training, stop the loop.
-  stats = chaos(trainer, tmp_path, straight, kills=kills, seed=1)
+  straight = straight_run(trainer, tmp_path / 'straight', LONG_STEPS)
+  stats = chaos(trainer, tmp_path / 'run', straight, kills=kills, seed=1, steps=LONG_STEPS,
+                max_life=0.5)
   print('chaos:', stats)
-  assert stats['kills'] == kills or stats['finished_early']
+  assert stats['kills'] == kills  # the kills, not the end of training, ended the loop
