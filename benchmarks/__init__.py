@@ -1,0 +1,1 @@
+"""Measurement code for jaxckpt: disk limits, peer checkpointers, shared helpers."""
