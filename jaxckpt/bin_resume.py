@@ -87,7 +87,8 @@ def restore_from_bin(trainer, bin_path: Path, ckpt_dir: Path, runlog) -> tuple[A
     return jax.device_put(np.asarray(value, dtype=leaf.dtype).reshape(leaf.shape), leaf.sharding)
 
   state = jax.tree_util.tree_map_with_path(replace, trainer.init_fn(jax.random.key(config.seed)))
-  if replaced['m'] != len(m) or replaced['v'] != len(v):
+  # Frozen parameters have no moments (the .bin holds zeros for them); none at all is an error.
+  if not replaced['m'] or not replaced['v']:
     raise ResumeError('E-BIN-004', f'{bin_path}: the optimizer state has no Adam moments (mu/nu) '
                       'to restore m and v into', 'resume a .bin with an optax Adam optimizer')
 

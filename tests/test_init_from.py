@@ -288,3 +288,6 @@ def test_export_and_evaluate_read_frozen_parameters_from_the_pinned_file(trainer
                              f'--workdir={run}'], capture_output=True, text=True, cwd=REPO)
   assert evaluate.returncode == 0, evaluate.stderr
   assert '10' in json.loads((run / 'evaluated.json').read_text())
+  resumed = trainer.run(tmp_path / 'from_bin', '--config.train.steps=12', f'--resume={out}',
+                        f'--config.train.init_from={init_file}', "--config.train.frozen=('wte.*',)")
+  assert resumed.returncode == 0, resumed.stderr  # frozen parameters have no moments to restore
