@@ -182,6 +182,12 @@ def _dotted(path) -> str:
   return '.'.join(parts)
 
 
+def map_named(fn, params) -> Any:
+  """`fn(dotted name, leaf)` over a params tree, boxed (`nn.LogicallyPartitioned`) or not."""
+  return jax.tree_util.tree_map_with_path(lambda path, x: fn(_dotted(path), x), params,
+                                          is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+
+
 def flatten_params(params: Mapping, model_cfg) -> dict[str, Any]:
   """`{dotted name: array}` in canonical order."""
   flat = {_dotted(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}

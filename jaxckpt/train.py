@@ -14,7 +14,6 @@ parameter the file holds is not checkpointed: each resume reads it from the pinn
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 import importlib.metadata
 import os
@@ -37,11 +36,12 @@ from jaxckpt import bandit as bandit_lib
 from jaxckpt import data as data_lib
 from jaxckpt import model as model_lib
 from jaxckpt import identity, inspection, phases, sharding
+from jaxckpt import init_from as init_from_lib
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, CommitInfo, layout, signals
 from jaxckpt.checkpoint.lock import WorkdirLock
 from jaxckpt.checkpoint.manager import named_leaves
 from jaxckpt.errors import ConfigError, JaxckptError, ResumeError
-from jaxckpt.export import during_training, safetensors_io
+from jaxckpt.export import during_training
 from jaxckpt.export.offline import param_of_leaf
 from jaxckpt.bin_resume import restore_from_bin
 from jaxckpt.runlog import RunLog
@@ -78,16 +78,9 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
   if not frozen:
     return tx
   trainable = identity.trainable_fn(frozen)
-  labels = lambda params: _map_named(
+  labels = lambda params: model_lib.map_named(
       lambda name, _: 'trainable' if trainable(name) else 'frozen', params)
   return optax.partition({'trainable': tx, 'frozen': optax.set_to_zero()}, labels)
-
-
-def _map_named(fn: Callable[[str, Any], Any], params) -> Any:
-  """`fn(dotted name, leaf)` over a params tree, boxed (`nn.LogicallyPartitioned`) or not."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: fn(model_lib._dotted(path), x),  # pylint: disable=protected-access
-      params, is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
 @dataclasses.dataclass
@@ -141,7 +134,7 @@ def build_trainer(config, devices=None) -> Trainer:
   def train_loss(params, batch):
     # No gradient flows into a frozen parameter: XLA drops work it never needs (an embedding's
     # scatter-add), and the reported grad_norm is the one clipping sees.
-    params = _map_named(lambda n, p: p if trainable(n) else jax.lax.stop_gradient(p), params)
+    params = model_lib.map_named(lambda n, p: p if trainable(n) else jax.lax.stop_gradient(p), params)
     return loss_fn(params, batch)
 
   def train_step(state: TrainState, batch):
@@ -151,7 +144,7 @@ def build_trainer(config, devices=None) -> Trainer:
     # A frozen parameter keeps its exact bytes (p + 0.0 would turn -0.0 into +0.0): a resume
     # reads it again from the init_from file and must find what the loop had.
     params = jax.tree.map(lambda keep, new, old: new if keep else old,
-                          _map_named(lambda n, _: trainable(n), params), params, state.params)
+                          model_lib.map_named(lambda n, _: trainable(n), params), params, state.params)
     return TrainState(params, opt_state), {'loss': loss, 'grad_norm': optax.tree.norm(grads)}
 
   batch_sh = (sharding.batch_sharding(mesh),) * 2
@@ -228,102 +221,9 @@ def validate_config(config) -> None:
     raise ConfigError('E-CONFIG-001', 'samples.prompt is as long as model.block_size',
                       'shorten --config.samples.prompt')
   bandit_lib.validate(config.bandit, list(config.data.sources))
-  _validate_frozen(config)
+  init_from_lib.validate(config)
   checkpoint_options(config)  # validates mode and counts
   during_training.options_from_config(config)  # validates export cadence, formats, retention
-
-
-def _validate_frozen(config) -> None:
-  """train.frozen: globs that each name a parameter, and not all of them; train.init_from: a str."""
-  t = config.train
-  if not isinstance(t.get('init_from', ''), str):
-    raise ConfigError('E-CONFIG-006', f'train.init_from={t.init_from!r} is not a path',
-                      "set --config.train.init_from=PATH/model.safetensors, or '' for none")
-  frozen = t.get('frozen', ())
-  if isinstance(frozen, str) or not all(isinstance(g, str) for g in frozen):
-    raise ConfigError('E-CONFIG-006', f'train.frozen={frozen!r} is not a tuple of globs',
-                      "set --config.train.frozen=\"('wte.*', 'wpe.*')\"")
-  names = model_lib.parameter_names(config.model)
-  unmatched = [g for g in frozen if not any(fnmatch.fnmatchcase(n, g) for n in names)]
-  if unmatched:
-    raise ConfigError('E-CONFIG-006', f'train.frozen glob(s) {", ".join(map(repr, unmatched))} '
-                      'match no parameter of the model', 'globs match dotted names such as '
-                      f'{", ".join(names[:3])}, h.0.* (`jaxckpt inspect CKPT` lists them all)')
-  trainable = identity.trainable_fn(frozen)
-  if names and not any(trainable(n) for n in names):
-    raise ConfigError('E-CONFIG-006', f'train.frozen={tuple(frozen)!r} freezes every parameter: '
-                      'there is nothing to train', 'freeze fewer parameters')
-
-
-_INIT_FROM_FIX = ('point --config.train.init_from at a jaxckpt safetensors export of a model with '
-                  'this config (WORKDIR/exports/step_<n>/model.safetensors)')
-
-
-def pin_init_from(path: str, *, fresh: bool) -> dict[str, Any] | None:
-  """`identity.pin_file` of train.init_from (absolute path, size, sha256); None when unset.
-
-  On a fresh start a missing file is an error here (E-LOAD-002). On a resume it is pinned with
-  no size or sha256, and `identity.compare` refuses it (E-LOAD-001) before anything is loaded.
-  """
-  if not path:
-    return None
-  path = os.path.abspath(path)
-  try:
-    return identity.pin_file(path)
-  except OSError as e:
-    if fresh:
-      raise ConfigError('E-LOAD-002', f'cannot read train.init_from={path}: '
-                        f'{e.strerror or e}', _INIT_FROM_FIX) from e
-    return {'path': path, 'size': None, 'sha256': None}
-
-
-def read_init_from(path: str | os.PathLike, trainer: Trainer) -> dict[str, np.ndarray]:
-  """{dotted name: array} of an init_from file, checked against the model's parameters.
-
-  Every tensor of the file must be a parameter of the model with its shape; a float tensor
-  narrower than the parameter (bf16 into f32) is widened, exactly. A parameter the file does not
-  hold is not an error (a partial file): it keeps its fresh init.
-
-  Raises:
-    ConfigError (E-LOAD-002): the file cannot be read as safetensors.
-    ConfigError (E-LOAD-003): names or shapes that do not fit the model (named).
-  """
-  try:
-    tensors, _ = safetensors_io.read_model(path)
-  except Exception as e:  # OSError, or not safetensors (the library's own error types)
-    raise ConfigError('E-LOAD-002', f'cannot read train.init_from={path}: {type(e).__name__}: '
-                      f'{e}', _INIT_FROM_FIX) from e
-  model = model_lib.flatten_params(trainer.abstract_state().params, trainer.config.model)
-  unknown = [n for n in tensors if n not in model]
-  misfit = [n for n, x in tensors.items() if n in model and not _fits(x, model[n])]
-  if unknown or misfit or not tensors:
-    parts = ([f'not parameters of the model: {", ".join(unknown[:5])}'
-              + (f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else '')] if unknown else [])
-    parts += [f'{n} {tensors[n].dtype}{list(tensors[n].shape)} -> model '
-              f'{np.dtype(model[n].dtype)}{list(model[n].shape)}' for n in misfit[:5]]
-    parts += [f'(+{len(misfit) - 5} more)'] if len(misfit) > 5 else []
-    raise ConfigError('E-LOAD-003', f'train.init_from={path} does not fit the model: '
-                      + ('; '.join(parts) if parts else 'it holds no tensor'), _INIT_FROM_FIX)
-  return {n: np.asarray(tensors[n], dtype=model[n].dtype) for n in model if n in tensors}
-
-
-def _fits(x: np.ndarray, param) -> bool:
-  if tuple(x.shape) != tuple(param.shape):
-    return False
-  if x.dtype == param.dtype:
-    return True
-  floats = jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(param.dtype, jnp.floating)
-  return floats and x.dtype.itemsize <= np.dtype(param.dtype).itemsize
-
-
-def load_params(params, arrays: dict[str, np.ndarray]):
-  """`params` with the leaves named in `arrays` replaced, each placed on the leaf's sharding."""
-  def put(name, x):
-    if name not in arrays:
-      return x
-    value = arrays[name]
-    return jax.make_array_from_callback(value.shape, x.sharding, lambda idx: value[idx])
-  return _map_named(put, params)
 
 
 def checkpoint_options(config) -> CheckpointOptions:
@@ -380,7 +280,7 @@ def run_identity(trainer: Trainer, provenance: dict | None = None, *,
                  init_from: dict[str, Any] | None = None) -> dict[str, Any]:
   """What this run is, for every checkpoint's manifest (see `jaxckpt.identity`).
 
-  `init_from` is the pin of the file initial weights come from (`pin_init_from`); trainable per
+  `init_from` is the pin of the file initial weights come from (`init_from.pin`); trainable per
   parameter follows `config.train.frozen`.
   """
   provenance = provenance or {}
@@ -475,7 +375,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     resume_dir = find_resume_point(resume, ckpt_dir)
     dataset = data_lib.from_config(config)
     trainer = build_trainer(config)
-    pin = pin_init_from(config.train.get('init_from', ''), fresh=resume_dir is None)
+    pin = init_from_lib.pin(config.train.get('init_from', ''), fresh=resume_dir is None)
     runlog = RunLog(workdir)
     exporter = during_training.Exporter(workdir / 'exports', config, runlog)  # cleans debris
 
@@ -560,11 +460,16 @@ class _Run:
     return dataclasses.replace(info, staged={**info.staged, **extra})
 
 
+def _read_init_file(run: _Run, pin: dict[str, Any]) -> dict[str, np.ndarray]:
+  return init_from_lib.read(pin['path'], run.trainer.abstract_state().params,
+                            run.trainer.config.model)
+
+
 def _init_from_file(run: _Run, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
   """A fresh state with the parameters the init_from file holds loaded; the event's fields."""
   pin = run.identity['init_from']
-  arrays = read_init_from(pin['path'], run.trainer)
-  state = state.replace(params=load_params(state.params, arrays))
+  arrays = _read_init_file(run, pin)
+  state = state.replace(params=init_from_lib.load_params(state.params, arrays))
   run.file_frozen = {n: x for n, x in arrays.items() if n in run.frozen_params}
   fresh = [n for n in model_lib.parameter_names(run.trainer.config.model) if n not in arrays]
   return state, {'path': pin['path'], 'sha256': pin['sha256'], 'loaded': list(arrays),
@@ -585,7 +490,7 @@ def _restore(run: _Run, resume_dir: Path, meta: dict[str, Any]
   left_out = [t['name'] for t in meta.get('excluded') or []]
   arrays = {}
   if pin is not None and (left_out or (new_pin and run.frozen_params)):
-    arrays = read_init_from(pin['path'], run.trainer)
+    arrays = _read_init_file(run, pin)
   if new_pin:  # else the checkpoints this run writes hold every parameter
     run.file_frozen = {n: x for n, x in arrays.items() if n in run.frozen_params}
   if not left_out:

@@ -10,8 +10,6 @@ import os
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
 import json
-import shutil
-import signal
 import subprocess
 import sys
 import time

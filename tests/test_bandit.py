@@ -1,5 +1,3 @@
-import ml_collections
-import numpy as np
 import pytest
 
 from configs import default

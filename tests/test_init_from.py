@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, assert_same_bytes, committed_steps, read_arrays, read_events, wait_for
-from jaxckpt import identity, model as model_lib, train
+from jaxckpt import identity, init_from, model as model_lib, train
 from jaxckpt.checkpoint.manager import named_leaves
 from jaxckpt.errors import ConfigError, ResumeError
 from jaxckpt.export import safetensors_io
@@ -79,10 +79,10 @@ def test_loaded_values_equal_the_files_on_the_right_shardings(init_file, tmp_pat
   config = tiny(**{'mesh.model': 2})
   trainer = train.build_trainer(config)
   state = trainer.init_fn(jax.random.key(config.seed))
-  arrays = train.read_init_from(init_file, trainer)
+  arrays = init_from.read(init_file, trainer.abstract_state().params, trainer.config.model)
   file_tensors, _ = safetensors_io.read_model(init_file)
   assert list(arrays) == model_lib.parameter_names(config.model)
-  loaded = model_lib.flatten_params(train.load_params(state.params, arrays), config.model)
+  loaded = model_lib.flatten_params(init_from.load_params(state.params, arrays), config.model)
   shardings = model_lib.flatten_params(trainer.state_shardings.params, config.model)
   for name, x in loaded.items():
     assert np.asarray(x).tobytes() == file_tensors[name].tobytes(), name
@@ -94,7 +94,7 @@ def test_loaded_values_equal_the_files_on_the_right_shardings(init_file, tmp_pat
                                        if not n.startswith('h.1.')})
   fresh = model_lib.flatten_params(state.params, config.model)
   loaded = model_lib.flatten_params(
-      train.load_params(state.params, train.read_init_from(partial, trainer)), config.model)
+      init_from.load_params(state.params, init_from.read(partial, trainer.abstract_state().params, trainer.config.model)), config.model)
   for name, x in loaded.items():
     want = fresh[name] if name.startswith('h.1.') else file_tensors[name]
     assert np.asarray(x).tobytes() == np.asarray(want).tobytes(), name
@@ -107,7 +107,7 @@ def test_a_file_that_does_not_fit_is_refused_naming_what(init_file, tmp_path):
   safetensors_io.write_model(bad, {**tensors, 'wpe.embedding': tensors['wpe.embedding'][:32],
                                    'transformer.wte.weight': tensors['wte.embedding']})
   with pytest.raises(ConfigError) as e:
-    train.read_init_from(bad, trainer)
+    init_from.read(bad, trainer.abstract_state().params, trainer.config.model)
   assert e.value.code == 'E-LOAD-003' and e.value.exit_code == 2
   assert 'train.init_from=' in e.value.what
   assert 'not parameters of the model: transformer.wte.weight' in e.value.what
@@ -116,14 +116,14 @@ def test_a_file_that_does_not_fit_is_refused_naming_what(init_file, tmp_path):
   garbage = tmp_path / 'garbage.safetensors'
   garbage.write_bytes(b'not a safetensors file')
   with pytest.raises(ConfigError, match='E-LOAD-002: cannot read train.init_from='):
-    train.read_init_from(garbage, trainer)
+    init_from.read(garbage, trainer.abstract_state().params, trainer.config.model)
   missing = tmp_path / 'missing.safetensors'
   with pytest.raises(ConfigError, match='E-LOAD-002: cannot read train.init_from=.*No such file'):
-    train.pin_init_from(str(missing), fresh=True)
+    init_from.pin(str(missing), fresh=True)
   # On a resume a missing file is pinned as unreadable; identity.compare refuses it (E-LOAD-001).
-  assert train.pin_init_from(str(missing), fresh=False) == {
+  assert init_from.pin(str(missing), fresh=False) == {
       'path': str(missing), 'size': None, 'sha256': None}
-  assert train.pin_init_from('', fresh=True) is None
+  assert init_from.pin('', fresh=True) is None
 
 
 @pytest.mark.parametrize('frozen, message', [
@@ -141,10 +141,10 @@ def test_frozen_parameters_never_change_and_have_no_optimizer_state(init_file):
   config = tiny(**{'mesh.model': 2, 'train.frozen': FROZEN})
   trainer = train.build_trainer(config)
   state = trainer.init_fn(jax.random.key(0))
-  arrays = train.read_init_from(init_file, trainer)
+  arrays = init_from.read(init_file, trainer.abstract_state().params, trainer.config.model)
   arrays['wpe.embedding'] = arrays['wpe.embedding'].copy()
   arrays['wpe.embedding'][0, :4] = -0.0  # p + 0.0 would be +0.0: a frozen value keeps its bytes
-  state = state.replace(params=train.load_params(state.params, arrays))
+  state = state.replace(params=init_from.load_params(state.params, arrays))
   before = {n: np.asarray(x).copy() for n, x in
             model_lib.flatten_params(state.params, config.model).items()}
   rng = np.random.default_rng(0)

@@ -18,7 +18,6 @@ Multi-process states (arrays not fully addressable) are written by orbax instead
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import mmap
 import os
 import zlib
