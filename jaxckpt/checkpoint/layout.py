@@ -9,13 +9,14 @@ is debris from a crash, never read, and removed by the next writer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from jaxckpt.errors import CheckpointError, ResumeError
 
@@ -94,15 +95,40 @@ def fsync_dir(path: Path) -> None:
     os.close(fd)
 
 
+TMP_MARK = '.tmp-'  # temporary siblings are named `<final name>.tmp-<nonce>`
+
+
+def temporary_sibling(path: Path) -> Path:
+  return path.with_name(f'{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}')
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+  """Yields a temporary path next to `path`; on success it becomes `path`, durably.
+
+  The caller writes the whole file to the yielded path. It is then fsynced, renamed over `path`
+  (old content or new, never a mix) and the directory fsynced. On error it is removed.
+  """
+  path = Path(path)
+  tmp = temporary_sibling(path)
+  try:
+    yield tmp
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+  fsync_dir(path.parent)
+
+
 def write_file_durably(path: Path, data: bytes) -> None:
   """Write `data` to `path` so that `path` holds either the old or the whole new content."""
-  tmp = path.with_name(f'{path.name}.tmp-{uuid.uuid4().hex[:12]}')
-  with open(tmp, 'wb') as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
-  fsync_dir(path.parent)
+  with atomic_file(path) as tmp:
+    tmp.write_bytes(data)
 
 
 def write_json_durably(path: Path, obj: Any) -> None:

@@ -319,11 +319,9 @@ class CheckpointManager:
     raw_data = f'{layout.STATE_DIR}/{rawstore.DATA}'
     checksums = verify and self.options.verify_checksums
     if verify:
-      problems = [p for p in (manifest.check_seal((step_dir / layout.MANIFEST).read_bytes(),
-                                                  meta),) if p]
       # The raw data file's CRC is checked while it is read below: one pass, not two.
-      problems += manifest.verify(step_dir, meta, checksums=checksums,
-                                  skip_checksum=[raw_data] if raw else [])
+      _, problems = manifest.check(step_dir, checksums=checksums,
+                                   skip_checksum=[raw_data] if raw else [])
       if problems:
         raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problems[0]}'
                               + (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),

@@ -144,7 +144,8 @@ def check_seal(raw: bytes, m: Mapping[str, Any]) -> str | None:
   return None
 
 
-def check(step_dir: Path, *, checksums: bool = True) -> tuple[dict[str, Any] | None, list[str]]:
+def check(step_dir: Path, *, checksums: bool = True, skip_checksum: Iterable[str] = ()
+          ) -> tuple[dict[str, Any] | None, list[str]]:
   """(manifest or None, problems) of a checkpoint: its manifest readable and matching its seal,
   and every file matching the manifest (`verify`). Never raises for damage: it reports it."""
   try:
@@ -158,7 +159,7 @@ def check(step_dir: Path, *, checksums: bool = True) -> tuple[dict[str, Any] | N
     return None, [e.what]
   problems = [p for p in (check_seal(raw, m),) if p]
   try:
-    problems += verify(step_dir, m, checksums=checksums)
+    problems += verify(step_dir, m, checksums=checksums, skip_checksum=skip_checksum)
   except CheckpointError as e:
     problems.append(e.what)
   except (KeyError, TypeError, AttributeError) as e:

@@ -21,41 +21,11 @@ import contextlib
 import ctypes
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Iterator
 
-from jaxckpt.checkpoint.layout import fsync_dir
-
-TMP_MARK = '.tmp-'  # temporary siblings are named `<final name>.tmp-<nonce>`
-
-
-def temporary_sibling(path: Path) -> Path:
-  return path.with_name(f'{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}')
-
-
-@contextlib.contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
-  """Yields a temporary path next to `path`; on success it becomes `path`, durably.
-
-  The caller writes the whole file to the yielded path. It is then fsynced, renamed over `path`
-  (old content or new, never a mix) and the directory fsynced. On error it is removed.
-  """
-  path = Path(path)
-  tmp = temporary_sibling(path)
-  try:
-    yield tmp
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-      os.fsync(fd)
-    finally:
-      os.close(fd)
-    os.replace(tmp, path)
-  except BaseException:
-    tmp.unlink(missing_ok=True)
-    raise
-  fsync_dir(path.parent)
-
+# One write-fsync-rename primitive for checkpoints and exports alike.
+from jaxckpt.checkpoint.layout import TMP_MARK, atomic_file, fsync_dir, temporary_sibling
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
