@@ -99,10 +99,11 @@ class SavePhases:
             start = self._enter()
             try:
                 crc, size = 0, 0
+                buf = memoryview(bytearray(manifest._CHUNK))
                 with open(path, "rb", buffering=0) as f:
-                    while chunk := f.read(manifest._CHUNK):
-                        crc = manifest.zlib.crc32(chunk, crc)
-                        size += len(chunk)
+                    while n := f.readinto(buf):
+                        crc = manifest.crc32(buf[:n], crc)
+                        size += n
                     if fsync:
                         inner = self._enter()
                         try:

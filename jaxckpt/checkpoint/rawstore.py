@@ -20,13 +20,13 @@ from __future__ import annotations
 import concurrent.futures
 import mmap
 import os
-import zlib
 from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 
-from jaxckpt.checkpoint import layout
+from jaxckpt.checkpoint import layout, manifest
+from jaxckpt.checkpoint.checksum import crc32
 from jaxckpt.errors import CheckpointError
 
 DATA = 'arrays.bin'
@@ -34,21 +34,43 @@ INDEX = 'index.json'
 FORMAT = 'jaxckpt.rawstore'
 ALIGN = 4096
 _CHUNK = 64 << 20  # the CRC runs on one chunk while the next one is being written
+_HUGE_PAGE = 2 << 20
+# Restore reads: the threads spend most of their time in the kernel (faulting destination pages
+# in, waiting on the disk), so a few more than two cores still help.
+_READERS = 4
 
 
 def padded(nbytes: int) -> int:
   return -(-nbytes // ALIGN) * ALIGN
 
 
-def aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
-  """An array whose buffer is page-aligned and zero-padded to a multiple of ALIGN bytes."""
+def aligned_empty(shape: tuple[int, ...], dtype, *, populate: bool = True) -> np.ndarray:
+  """An array whose buffer is page-aligned and zero-padded to a multiple of ALIGN bytes.
+
+  Anonymous mmap memory is page-aligned and zero-filled. Buffers of 2 MiB and more ask for
+  transparent huge pages: a fresh 1.46 GB state then faults in 700 pages instead of 356,000,
+  0.15 s instead of 0.5 s on this VM. `populate` faults every page in now (staging buffers, so
+  the first save's copy does not pay for it); without it the first write to each page does, which
+  for a restore is the reader threads' O_DIRECT reads, in parallel.
+  """
   dtype = np.dtype(dtype)
   nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-  # Anonymous mmap memory is page-aligned and zero-filled. MAP_POPULATE faults every page in
-  # one call: on a VM that hands freed memory back to its host, touching fresh pages one fault
-  # at a time (as a read or copy into them would) costs ~2x more.
-  flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, 'MAP_POPULATE', 0)
-  whole = np.frombuffer(mmap.mmap(-1, max(padded(nbytes), ALIGN), flags=flags), np.uint8)
+  size = max(padded(nbytes), ALIGN)
+  huge = size >= _HUGE_PAGE and hasattr(mmap, 'MADV_HUGEPAGE')
+  # MAP_POPULATE faults small buffers in with one call, ~2x faster than touching 4 KiB pages;
+  # huge pages must be asked for (madvise) before the first fault, so those are touched below.
+  flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+  if populate and not huge:
+    flags |= getattr(mmap, 'MAP_POPULATE', 0)
+  buf = mmap.mmap(-1, size, flags=flags)
+  whole = np.frombuffer(buf, np.uint8)
+  if huge:
+    try:
+      buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+      pass  # transparent huge pages are off or unsupported: 4 KiB pages, same result
+    if populate:
+      whole[::ALIGN] = 0
   return whole[:nbytes].view(dtype).reshape(shape)
 
 
@@ -92,14 +114,15 @@ def write(directory: Path, arrays: Mapping[str, np.ndarray]) -> dict[str, dict[s
         if direct and not aligned:
           view = _copy_aligned(view)
         start = index[name]['offset']
+        index[name]['crc32'] = f'{crc32(view[:x.nbytes]):08x}'  # for reads of a subset
         for lo in range(0, len(view), _CHUNK):
           chunk = view[lo:lo + _CHUNK]
           pending.append(pool.submit(_pwrite_all, fd, chunk, start + lo))
-          crc = zlib.crc32(chunk, crc)  # overlaps the write just submitted
+          crc = crc32(chunk, crc)  # overlaps the write just submitted
         if len(view) < padded(x.nbytes):  # a buffer that was not padded: pad the file
           pad = bytes(padded(x.nbytes) - len(view))
           pending.append(pool.submit(_pwrite_all, fd, pad, start + len(view)))
-          crc = zlib.crc32(pad, crc)
+          crc = crc32(pad, crc)
       for f in pending:
         f.result()
     os.fsync(fd)
@@ -138,9 +161,12 @@ def read(directory: Path, names=None, *, expect_crc32: str | None = None, direct
          ) -> dict[str, np.ndarray]:
   """The arrays (all, or `names`) as host numpy arrays.
 
-  With `expect_crc32` (and all arrays) the file's CRC is computed while reading, on this thread,
-  while a second thread reads ahead. `direct=False` reads through the page cache: right after a
-  verification pass has read the file, that is a memory copy instead of a second disk read.
+  Each array of 2 MiB or more gets its own buffer; runs of smaller arrays that lie next to each
+  other in the file share one, filled by one read instead of one per array. Reader threads fill
+  the buffers in 64 MiB chunks while this thread computes the file's CRC (with `expect_crc32` and
+  all arrays) over the chunks as they land; a subset is checked against each array's own CRC-32
+  in the index instead. `direct=False` reads through the page cache: right after a verification
+  pass has read the file, that is a memory copy instead of a second disk read.
   """
   index = read_index(directory)
   wanted = sorted(index if names is None else names, key=lambda n: index[n]['offset'])
@@ -149,26 +175,67 @@ def read(directory: Path, names=None, *, expect_crc32: str | None = None, direct
       (os.open(directory / DATA, os.O_RDONLY), False)
   out, crc = {}, 0
   try:
-    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix='jaxckpt-raw') as pool:
+    with concurrent.futures.ThreadPoolExecutor(_READERS, thread_name_prefix='jaxckpt-raw') as pool:
       jobs = []
-      for name in wanted:  # file order: the running CRC then covers the file exactly
-        meta = index[name]
-        x = out[name] = aligned_empty(tuple(meta['shape']), np.dtype(meta['dtype']))
-        view = _padded_view(x)
-        for lo in range(0, len(view), _CHUNK):
+      for offset, run in _runs(index, wanted):  # file order: the CRC then covers the file exactly
+        size = sum(padded(index[name]['nbytes']) for name in run)
+        # Not populated: the reader threads fault the pages in as they read into them.
+        buf = aligned_empty((size,), np.uint8, populate=False)
+        at = 0
+        for name in run:
+          meta = index[name]
+          out[name] = buf[at:at + meta['nbytes']].view(meta['dtype']).reshape(meta['shape'])
+          at += padded(meta['nbytes'])
+        view = _padded_view(buf)
+        for lo in range(0, size, _CHUNK):
           chunk = view[lo:lo + _CHUNK]
-          jobs.append((chunk, pool.submit(_pread_all, fd, chunk, meta['offset'] + lo)))
+          jobs.append((chunk, pool.submit(_pread_all, fd, chunk, offset + lo)))
       for chunk, job in jobs:
         job.result()
         if check:
-          crc = zlib.crc32(chunk, crc)
+          crc = crc32(chunk, crc)
   finally:
     os.close(fd)
   if check and f'{crc:08x}' != expect_crc32:
     raise CheckpointError('E-CKPT-003', f'{directory / DATA}: checksum mismatch (crc32 '
                           f'{crc:08x}, manifest says {expect_crc32})',
                           'resume from an earlier checkpoint')
+  if expect_crc32 is not None and not check:
+    _check_arrays(directory, index, out, expect_crc32)
   return out
+
+
+def _check_arrays(directory: Path, index, arrays: Mapping[str, np.ndarray],
+                  expect_crc32: str) -> None:
+  """Each read array against its CRC-32 in the index (itself covered by the manifest)."""
+  if any('crc32' not in index[name] for name in arrays):  # an index without them: whole file
+    got = manifest.crc32_file(directory / DATA)[1]
+    if got != expect_crc32:
+      raise CheckpointError('E-CKPT-003', f'{directory / DATA}: checksum mismatch (crc32 {got}, '
+                            f'manifest says {expect_crc32})', 'resume from an earlier checkpoint')
+    return
+  for name, x in arrays.items():
+    got = f'{crc32(x.reshape(-1).view(np.uint8)):08x}'
+    if got != index[name]['crc32']:
+      raise CheckpointError('E-CKPT-003', f'{directory / DATA}: {name}: checksum mismatch '
+                            f'(crc32 {got}, index says {index[name]["crc32"]})',
+                            'resume from an earlier checkpoint')
+
+
+def _runs(index: Mapping[str, Mapping[str, Any]], wanted: list[str]
+          ) -> list[tuple[int, list[str]]]:
+  """(file offset, names): `wanted` (in file order) grouped into the buffers `read` fills."""
+  runs: list[tuple[int, list[str]]] = []
+  end, joinable = -1, False
+  for name in wanted:
+    offset, size = index[name]['offset'], padded(index[name]['nbytes'])
+    small = size < _HUGE_PAGE
+    if small and joinable and offset == end:
+      runs[-1][1].append(name)
+    else:
+      runs.append((offset, [name]))
+    end, joinable = offset + size, small
+  return runs
 
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> None:
