@@ -218,14 +218,16 @@ def _step_dirs(root: Path) -> tuple[dict[int, Path], list[Path]]:
   return committed, uncommitted
 
 
-def latest_intact(ckpt_dir: str | Path, *,
-                  checksums: bool = True) -> tuple[Path | None, list[tuple[Path, str]]]:
+def latest_intact(ckpt_dir: str | Path, *, checksums: bool = True,
+                  known_bad: Mapping[Path, str] | None = None
+                  ) -> tuple[Path | None, list[tuple[Path, str]]]:
   """The newest committed checkpoint under `ckpt_dir` that passes verification.
 
   Returns (path or None when none passes, [(path, problem)] of the newer ones passed over,
   newest first): the caller warns for each. Step directories without a manifest that are newer
   than the one chosen are reported too (an interrupted save, or a lost manifest). A location
-  that cannot be listed raises `ResumeError` E-RESUME-002, never "no checkpoint".
+  that cannot be listed raises `ResumeError` E-RESUME-002, never "no checkpoint". `known_bad`
+  ({path: problem}) are checkpoints the caller found damaged itself, e.g. while loading them.
   """
   committed, uncommitted = _step_dirs(Path(ckpt_dir))
   candidates = sorted([(s, p, None) for s, p in committed.items()] +
@@ -237,7 +239,8 @@ def latest_intact(ckpt_dir: str | Path, *,
       skipped.append((path, 'not committed: no manifest.json (an interrupted save, or its '
                       'manifest was lost)'))
       continue
-    problems = check(path, checksums=checksums)
+    problems = [known_bad[path]] if path in (known_bad or {}) else \
+        check(path, checksums=checksums)
     if not problems:
       return path, skipped
     skipped.append((path, problems[0] + (f' (+{len(problems) - 1} more)'
@@ -245,12 +248,13 @@ def latest_intact(ckpt_dir: str | Path, *,
   return None, skipped
 
 
-def latest_intact_or_raise(ckpt_dir: str | Path, *, checksums: bool = True
+def latest_intact_or_raise(ckpt_dir: str | Path, *, checksums: bool = True,
+                           known_bad: Mapping[Path, str] | None = None
                            ) -> tuple[Path | None, list[tuple[Path, str]]]:
   """`latest_intact`, for `--resume=latest`: None (start fresh) only when no checkpoint was ever
   committed; committed checkpoints none of which is intact raise ResumeError E-RESUME-004
   instead of silently starting over them."""
-  path, skipped = latest_intact(ckpt_dir, checksums=checksums)
+  path, skipped = latest_intact(ckpt_dir, checksums=checksums, known_bad=known_bad)
   damaged = [(p, why) for p, why in skipped if not why.startswith('not committed')]
   if path is None and damaged:
     raise ResumeError('E-RESUME-004', f'none of the {len(damaged)} committed checkpoint(s) in '

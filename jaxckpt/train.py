@@ -20,7 +20,7 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import flax
 import flax.linen as nn
@@ -40,7 +40,7 @@ from jaxckpt import init_from as init_from_lib
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, CommitInfo, layout, signals
 from jaxckpt.checkpoint.lock import WorkdirLock
 from jaxckpt.checkpoint.manager import named_leaves
-from jaxckpt.errors import ConfigError, JaxckptError, ResumeError
+from jaxckpt.errors import CheckpointError, ConfigError, JaxckptError, ResumeError
 from jaxckpt.export import during_training
 from jaxckpt.export.offline import param_of_leaf
 from jaxckpt.bin_resume import restore_from_bin
@@ -232,13 +232,18 @@ def checkpoint_options(config) -> CheckpointOptions:
                            keep_every=c.keep_every, storage=c.storage)
 
 
-def find_resume_point(resume: str, ckpt_dir: Path) -> Path | None:
+def find_resume_point(resume: str, ckpt_dir: Path,
+                      known_bad: Mapping[Path, str] | None = None) -> Path | None:
   """The committed checkpoint directory (or `.bin` file) to continue from; None: a fresh start.
 
   `latest`: the newest committed checkpoint, or a fresh start when there is none.
   `none`: a fresh start, refused when checkpoints exist (it would fork the run's history).
   `PATH.bin`: a raw `step_NNNNNN.bin` export (weights, Adam m and v; see `jaxckpt.bin_resume`).
   anything else: the path of a committed `step_<n>` directory.
+
+  The checkpoint's files are checked here for presence, sizes and the manifest's seal; their
+  checksums are checked by the restore, while it reads them: the data is read once, not twice.
+  `known_bad` ({path: problem}) are checkpoints that failed that check: `latest` passes over them.
   """
   if resume.endswith('.bin'):
     if not Path(resume).is_file():
@@ -247,9 +252,11 @@ def find_resume_point(resume: str, ckpt_dir: Path) -> Path | None:
     return Path(resume)
   if resume == 'latest':
     # The newest checkpoint that passes verification; a damaged newer one is passed over.
-    path, skipped = inspection.latest_intact_or_raise(ckpt_dir)
+    path, skipped = inspection.latest_intact_or_raise(ckpt_dir, checksums=False,
+                                                      known_bad=known_bad)
     for bad, problem in skipped:
-      logging.warning('passing over %s: %s', bad, problem)
+      if bad not in (known_bad or {}):  # those were warned about when they failed
+        logging.warning('passing over %s: %s', bad, problem)
     return path
   if resume == 'none':
     steps = layout.committed_steps(ckpt_dir)
@@ -259,7 +266,8 @@ def find_resume_point(resume: str, ckpt_dir: Path) -> Path | None:
                         'silently fork the run\'s history', 'use --resume=latest to continue, '
                         'or a new --workdir to start over')
     return None
-  return inspection.verify_or_raise(resume)  # an explicit PATH that fails is an error
+  # An explicit PATH that fails is an error, here or (a checksum) when it is loaded.
+  return inspection.verify_or_raise(resume, checksums=False)
 
 
 _PACKAGES = ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'tensorstore', 'numpy')
@@ -399,7 +407,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     run = _Run(trainer, dataset, mgr, runlog, watcher, workdir,
                identity=run_identity(trainer, provenance, init_from=pin))
     try:
-      state, step = _start(run, resume_dir)
+      state, step = _start_passing_over_damaged(run, resume, resume_dir)
       return _loop(run, state, step)
     except signals.Interrupted:
       raise
@@ -494,7 +502,7 @@ def _restore(run: _Run, resume_dir: Path, meta: dict[str, Any]
   if new_pin:  # else the checkpoints this run writes hold every parameter
     run.file_frozen = {n: x for n, x in arrays.items() if n in run.frozen_params}
   if not left_out:
-    state, run_state = run.mgr.restore(resume_dir, abstract, verify=False)
+    state, run_state = run.mgr.restore(resume_dir, abstract)
     return state, run_state, None
   leaves = named_leaves(abstract)
   dotted = lambda leaf: (param_of_leaf(leaf) or ('', leaf))[1]
@@ -504,7 +512,7 @@ def _restore(run: _Run, resume_dir: Path, meta: dict[str, Any]
                       'and its pinned init_from file does not either', 'resume from a checkpoint '
                       'that holds them, or start a new --workdir')
   restored, run_state = run.mgr.restore(
-      resume_dir, {n: x for n, x in leaves.items() if n not in left_out}, verify=False)
+      resume_dir, {n: x for n, x in leaves.items() if n not in left_out})
   for name in left_out:
     value = arrays[dotted(name)]
     restored[name] = jax.make_array_from_callback(value.shape, leaves[name].sharding,
@@ -514,6 +522,22 @@ def _restore(run: _Run, resume_dir: Path, meta: dict[str, Any]
   read = {dotted(n) for n in left_out}
   return state, run_state, {'path': pin['path'], 'sha256': pin['sha256'], 'read': [
       n for n in model_lib.parameter_names(run.trainer.config.model) if n in read]}
+
+
+def _start_passing_over_damaged(run: _Run, resume: str, resume_dir: Path | None
+                                ) -> tuple[TrainState, int]:
+  """`_start`; with --resume=latest, a checkpoint whose data fails its checksum while it is being
+  restored is passed over (with a warning) for the next newest, as a damaged manifest would be."""
+  known_bad: dict[Path, str] = {}
+  while True:
+    try:
+      return _start(run, resume_dir)
+    except CheckpointError as e:
+      if resume != 'latest' or resume_dir is None or e.code != 'E-CKPT-003':
+        raise
+      logging.warning('passing over %s: %s', resume_dir, e.what)
+      known_bad[resume_dir] = e.what
+      resume_dir = find_resume_point(resume, run.mgr.directory, known_bad)
 
 
 def _start(run: _Run, resume_dir: Path | None) -> tuple[TrainState, int]:

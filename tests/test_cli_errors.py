@@ -55,6 +55,43 @@ def test_resume_path_that_is_not_a_checkpoint(trainer, finished_run, tmp_path):
   assert_refused(trainer.run(tmp_path / 'w', *FLAGS, f'--resume={partial}'), 'E-RESUME-003')
 
 
+def flip_a_data_byte(step_dir) -> None:
+  """Damage the array data the way a bad disk would: same size, one bit different."""
+  with open(step_dir / 'state' / 'arrays.bin', 'r+b') as f:
+    f.seek(5000)
+    byte = f.read(1)
+    f.seek(5000)
+    f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_latest_passes_over_data_that_fails_its_checksum_while_loading(trainer, finished_run,
+                                                                        tmp_path):
+  """The checksum of the array data is checked while it is restored (one read, not a separate
+  verification pass), and a mismatch there is passed over like any damaged checkpoint."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(finished_run, workdir)
+  flip_a_data_byte(workdir / 'checkpoints' / 'step_00000020')
+  r = trainer.run(workdir, '--config.train.steps=30', '--checkpoint_every=10')
+  assert r.returncode == 0, r.stderr
+  warning = [line for line in r.stderr.splitlines() if 'passing over' in line]
+  assert len(warning) == 1 and 'step_00000020' in warning[0] and 'checksum mismatch' in warning[0]
+  resumed = [e for e in read_events(workdir) if e['event'] == 'resumed']
+  assert [e['step'] for e in resumed] == [10]
+  assert committed_steps(workdir) == [10, 20, 30]  # step 20 was written again, intact
+
+
+def test_an_explicit_checkpoint_whose_data_is_damaged_is_refused(trainer, finished_run, tmp_path):
+  damaged = tmp_path / 'step_00000020'
+  shutil.copytree(finished_run / 'checkpoints' / 'step_00000020', damaged)
+  flip_a_data_byte(damaged)
+  r = trainer.run(tmp_path / 'w', *FLAGS, f'--resume={damaged}')
+  assert r.returncode == 1, r.stderr
+  assert 'Traceback' not in r.stderr
+  line = r.stderr.strip().splitlines()[-1]
+  assert line.startswith('jaxckpt: E-CKPT-003: ') and 'checksum mismatch' in line, line
+  assert not (tmp_path / 'w' / 'checkpoints').exists() or not committed_steps(tmp_path / 'w')
+
+
 def test_unlistable_checkpoint_location_is_an_error_not_a_fresh_start(trainer, tmp_path):
   (tmp_path / 'checkpoints').write_text('not a directory')
   line = assert_refused(trainer.run(tmp_path, *FLAGS), 'E-RESUME-002')

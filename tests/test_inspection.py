@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO, subprocess_env
 from jaxckpt import cli, identity, inspection, model as model_lib, train
 from jaxckpt.checkpoint import CheckpointManager, layout, manifest
-from jaxckpt.checkpoint.manager import named_leaves, tensor_table
+from jaxckpt.checkpoint.manager import avals, named_leaves, tensor_table
 from jaxckpt.errors import CheckpointError, ResumeError
 
 STEP_10, STEP_20 = layout.step_dirname(10), layout.step_dirname(20)
@@ -101,7 +101,7 @@ def andrea_120m(tmp_path_factory):
                         finished=True)
   step_dir = tmp_path_factory.mktemp('andrea_120m') / layout.step_dirname(50_000)
   step_dir.mkdir()
-  m = manifest.build(50_000, {}, tensor_table(named_leaves(state)), meta)
+  m = manifest.build(50_000, {}, tensor_table(avals(named_leaves(state))), meta)
   (step_dir / layout.MANIFEST).write_bytes(manifest.sealed_json(m))
   return config, step_dir
 
