@@ -343,7 +343,7 @@ class CheckpointManager:
     if verify:
       # The raw data file's CRC is checked while it is read below (array by array when `only`
       # picks a subset): one pass over the data, not two.
-      _, problems = manifest.check(step_dir, checksums=checksums,
+      _, problems = manifest.check(step_dir, meta, checksums=checksums,
                                    skip_checksum=[raw_data] if raw else [])
       if problems:
         raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problems[0]}'
@@ -353,10 +353,16 @@ class CheckpointManager:
     saved = {t['name']: t for t in meta['tensors'] if only is None or only(t['name'])}
     _check_compatible(step_dir, saved, want)
     if raw:
-      host = rawstore.read(step_dir / layout.STATE_DIR, list(want),
-                           expect_crc32=meta['files'][raw_data]['crc32'] if checksums else None,
-                           direct=verify)  # unverified: the caller's check just read the file
-      restored = {n: jax.device_put(host.pop(n), x.sharding) for n, x in want.items()}
+      def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        # Each run of arrays as soon as it is read, overlapping the next reads; one batched call
+        # per run (a device_put per leaf costs ~0.1 ms: 22 ms for andrea_12m's 233 leaves).
+        return dict(zip(arrays, jax.device_put(list(arrays.values()),
+                                               [want[n].sharding for n in arrays])))
+
+      restored = rawstore.read(
+          step_dir / layout.STATE_DIR, list(want), place=place,
+          expect_crc32=meta['files'][raw_data]['crc32'] if checksums else None,
+          direct=verify)  # unverified: the caller's check just read the file
     else:
       restored = _orbax_restore(step_dir, want, partial=only is not None)
     leaves = [restored[n] for n in want]

@@ -145,17 +145,18 @@ def check_seal(raw: bytes, m: Mapping[str, Any]) -> str | None:
   return None
 
 
-def check(step_dir: Path, *, checksums: bool = True, skip_checksum: Iterable[str] = ()
-          ) -> tuple[dict[str, Any] | None, list[str]]:
+def check(step_dir: Path, manifest: Mapping[str, Any] | None = None, *, checksums: bool = True,
+          skip_checksum: Iterable[str] = ()) -> tuple[dict[str, Any] | None, list[str]]:
   """(manifest or None, problems) of a checkpoint: its manifest readable and matching its seal,
-  and every file matching the manifest (`verify`). Never raises for damage: it reports it."""
+  and every file matching the manifest (`verify`). Never raises for damage: it reports it.
+  `manifest` is the caller's own `read` of it, when it has one."""
   try:
     raw = (step_dir / layout.MANIFEST).read_bytes()
   except OSError as e:
     return None, [f'{layout.MANIFEST}: missing or unreadable ({e.strerror or e}): not a '
                   'committed checkpoint']
   try:
-    m = read(step_dir)
+    m = read(step_dir) if manifest is None else dict(manifest)
   except CheckpointError as e:
     return None, [e.what]
   problems = [p for p in (check_seal(raw, m),) if p]

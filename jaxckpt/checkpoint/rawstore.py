@@ -21,7 +21,7 @@ import concurrent.futures
 import mmap
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -157,63 +157,74 @@ def read_index(directory: Path) -> dict[str, dict[str, Any]]:
   return index['arrays']
 
 
-def read(directory: Path, names=None, *, expect_crc32: str | None = None, direct: bool = True
-         ) -> dict[str, np.ndarray]:
-  """The arrays (all, or `names`) as host numpy arrays.
+def read(directory: Path, names=None, *, expect_crc32: str | None = None, direct: bool = True,
+         place: Callable[[dict[str, np.ndarray]], Mapping[str, Any]] | None = None
+         ) -> dict[str, Any]:
+  """The arrays (all, or `names`) as host numpy arrays, or as whatever `place` makes of them.
 
   Each array of 2 MiB or more gets its own buffer; runs of smaller arrays that lie next to each
   other in the file share one, filled by one read instead of one per array. Reader threads fill
-  the buffers in 64 MiB chunks while this thread computes the file's CRC (with `expect_crc32` and
-  all arrays) over the chunks as they land; a subset is checked against each array's own CRC-32
-  in the index instead. `direct=False` reads through the page cache: right after a verification
-  pass has read the file, that is a memory copy instead of a second disk read.
+  the buffers in 64 MiB chunks while this thread, as each chunk lands, adds it to the file's CRC
+  (with `expect_crc32` and all arrays; a subset is checked against each array's own CRC-32 in the
+  index instead) and hands each completed run of arrays to `place` (e.g. `jax.device_put`): the
+  caller's own work overlaps the reads. `direct=False` reads through the page cache: right after
+  a verification pass has read the file, that is a memory copy instead of a second disk read.
   """
   index = read_index(directory)
   wanted = sorted(index if names is None else names, key=lambda n: index[n]['offset'])
-  check = expect_crc32 is not None and set(wanted) == set(index)
+  check_file = expect_crc32 is not None and set(wanted) == set(index)
+  check_arrays = expect_crc32 is not None and not check_file
+  if check_arrays and any('crc32' not in index[name] for name in wanted):
+    _check_file(directory, expect_crc32)  # an index without per-array CRCs: the whole file
+    check_arrays = False
   fd, direct = _open_direct(directory / DATA, os.O_RDONLY) if direct else \
       (os.open(directory / DATA, os.O_RDONLY), False)
   out, crc = {}, 0
   try:
     with concurrent.futures.ThreadPoolExecutor(_READERS, thread_name_prefix='jaxckpt-raw') as pool:
-      jobs = []
-      for offset, run in _runs(index, wanted):  # file order: the CRC then covers the file exactly
-        size = sum(padded(index[name]['nbytes']) for name in run)
+      runs, jobs = [], []
+      for offset, names_in_run in _runs(index, wanted):  # file order: the CRC covers the file
+        size = sum(padded(index[name]['nbytes']) for name in names_in_run)
         # Not populated: the reader threads fault the pages in as they read into them.
         buf = aligned_empty((size,), np.uint8, populate=False)
-        at = 0
-        for name in run:
+        arrays, at = {}, 0
+        for name in names_in_run:
           meta = index[name]
-          out[name] = buf[at:at + meta['nbytes']].view(meta['dtype']).reshape(meta['shape'])
+          arrays[name] = buf[at:at + meta['nbytes']].view(meta['dtype']).reshape(meta['shape'])
           at += padded(meta['nbytes'])
         view = _padded_view(buf)
-        for lo in range(0, size, _CHUNK):
-          chunk = view[lo:lo + _CHUNK]
-          jobs.append((chunk, pool.submit(_pread_all, fd, chunk, offset + lo)))
-      for chunk, job in jobs:
+        chunks = [view[lo:lo + _CHUNK] for lo in range(0, size, _CHUNK)]
+        jobs += [(len(runs), i == len(chunks) - 1, chunk,
+                  pool.submit(_pread_all, fd, chunk, offset + i * _CHUNK))
+                 for i, chunk in enumerate(chunks)]
+        runs.append(arrays)
+      for run, last, chunk, job in jobs:
         job.result()
-        if check:
+        if check_file:
           crc = crc32(chunk, crc)
+        if last:
+          if check_arrays:
+            _check_arrays(directory, index, runs[run])
+          out.update(runs[run] if place is None else place(runs[run]))
+          runs[run] = None  # `place` may have copied them (to a GPU): let the host copy go
   finally:
     os.close(fd)
-  if check and f'{crc:08x}' != expect_crc32:
+  if check_file and f'{crc:08x}' != expect_crc32:
     raise CheckpointError('E-CKPT-003', f'{directory / DATA}: checksum mismatch (crc32 '
                           f'{crc:08x}, manifest says {expect_crc32})',
                           'resume from an earlier checkpoint')
-  if expect_crc32 is not None and not check:
-    _check_arrays(directory, index, out, expect_crc32)
   return out
 
 
-def _check_arrays(directory: Path, index, arrays: Mapping[str, np.ndarray],
-                  expect_crc32: str) -> None:
-  """Each read array against its CRC-32 in the index (itself covered by the manifest)."""
-  if any('crc32' not in index[name] for name in arrays):  # an index without them: whole file
-    got = manifest.crc32_file(directory / DATA)[1]
-    if got != expect_crc32:
-      raise CheckpointError('E-CKPT-003', f'{directory / DATA}: checksum mismatch (crc32 {got}, '
-                            f'manifest says {expect_crc32})', 'resume from an earlier checkpoint')
-    return
+def _check_file(directory: Path, expect_crc32: str) -> None:
+  got = manifest.crc32_file(directory / DATA)[1]
+  if got != expect_crc32:
+    raise CheckpointError('E-CKPT-003', f'{directory / DATA}: checksum mismatch (crc32 {got}, '
+                          f'manifest says {expect_crc32})', 'resume from an earlier checkpoint')
+
+
+def _check_arrays(directory: Path, index, arrays: Mapping[str, np.ndarray]) -> None:
+  """Each array against its CRC-32 in the index (itself covered by the manifest)."""
   for name, x in arrays.items():
     got = f'{crc32(x.reshape(-1).view(np.uint8)):08x}'
     if got != index[name]['crc32']:
