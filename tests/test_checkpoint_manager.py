@@ -75,6 +75,35 @@ def test_async_save_copies_the_state_before_returning(mesh, tmp_path):
   assert host(restored) == expected
 
 
+class Unreadable:
+  """A leaf whose host copy fails (a device lost mid-save), after the write has begun."""
+  shape, dtype, nbytes = (4,), np.dtype(np.float32), 16
+
+  def __array__(self, dtype=None, copy=None):
+    raise RuntimeError('device lost')
+
+
+@pytest.mark.parametrize('split', [False, True])
+def test_a_host_copy_that_fails_midway_commits_nothing_and_leaves_no_debris(
+    tmp_path, monkeypatch, split):
+  """The caller gets the copy's error; nothing is written or committed for that step, and the
+  manager saves again as usual."""
+  from jaxckpt.checkpoint import staging
+  if split:  # the copy split between the caller and a helper thread
+    monkeypatch.setattr(staging, '_SPLIT_MIN_BYTES', 0)
+  big = np.arange(1 << 20, dtype=np.float32)
+  good = {'a': big, 'b': np.ones(4, np.float32), 'c': big + 1}
+  with CheckpointManager(tmp_path, CheckpointOptions(mode='async', storage='raw')) as mgr:
+    mgr.save(1, good)
+    with pytest.raises(RuntimeError, match='device lost'):
+      mgr.save(2, {'a': big, 'b': Unreadable(), 'c': big + 1})
+    mgr.wait_until_finished()  # nothing left over to raise
+    assert list(committed_steps(tmp_path)) == [1] and layout.debris(tmp_path) == []
+    mgr.save(3, good)
+  assert list(committed_steps(tmp_path)) == [1, 3]
+  assert CheckpointManager(tmp_path).verify(3) == []
+
+
 def test_background_failure_is_raised_in_the_caller_and_nothing_half_written_commits(
     mesh, tmp_path):
   root = tmp_path / 'ckpt'

@@ -262,6 +262,7 @@ class CheckpointManager:
       layout.fsync_dir(self.directory)
       layout.write_file_durably(final / layout.MANIFEST, manifest.sealed_json(
           manifest.build(step, files, table, metadata)))  # the commit
+      committed = time.perf_counter()
       if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     except BaseException as e:
@@ -276,7 +277,7 @@ class CheckpointManager:
     if self._on_commit is None:
       return
     info = CommitInfo(step, final, sum(f['size'] for f in files.values()), blocked,
-                      time.perf_counter() - t0, tuple(deleted), staged=staged)
+                      committed - t0, tuple(deleted), staged=staged)
     try:
       self._on_commit(info)
     except JaxckptError:
