@@ -356,7 +356,7 @@ class CheckpointManager:
     if raw:
       def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         # Each run of arrays as soon as it is read, overlapping the next reads; one batched call
-        # per run (a device_put per leaf costs ~0.1 ms: 22 ms for andrea_12m's 233 leaves).
+        # per run (andrea_12m's 233 leaves: 6 ms batched, 9 ms one device_put per leaf).
         return dict(zip(arrays, jax.device_put(list(arrays.values()),
                                                [want[n].sharding for n in arrays])))
 

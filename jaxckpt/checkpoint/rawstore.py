@@ -1,16 +1,17 @@
 """jaxckpt's own array store for single-process states: one flat file, written at disk speed.
 
-orbax-checkpoint writes a 1.45 GB state at ~0.6 GB/s here (tensorstore chunks, OCDBT, per-leaf
-fixed costs) while the disk takes 3.3 GB/s with O_DIRECT; `benchmarks/checkpoint.py` measures
+orbax-checkpoint writes a 1.46 GB state at ~0.6 GB/s here (tensorstore chunks, OCDBT, per-leaf
+fixed costs) while the disk takes ~2 GB/s with O_DIRECT; `benchmarks/checkpoint.py` measures
 both. This store writes the already-staged host buffers straight to `state/arrays.bin`:
 
 - every array starts at a 4 KiB-aligned offset, so each one is a single O_DIRECT `pwrite` from
   the (page-aligned, zero-padded) staging buffer: no page cache to fill and later flush;
 - the file's CRC-32 is computed in file order while the writes are in flight, so committing
   needs no second pass over the data;
-- `state/index.json` says where each array is (offset, shape, dtype).
+- `state/index.json` says where each array is (offset, shape, dtype) and its own CRC-32.
 
-Reads mirror it: one `preadv` per array into an aligned buffer, the CRC checked on the way.
+Reads mirror it: four threads read into huge-page buffers (one per large array, one per run of
+small ones) while the caller checks the CRC and places each finished run (on its devices).
 Filesystems without O_DIRECT (tmpfs, some network mounts) fall back to buffered I/O + fsync.
 Multi-process states (arrays not fully addressable) are written by orbax instead.
 """
