@@ -355,7 +355,13 @@ def test_offline_export_refusals(checkpoint, tmp_path):
   shutil.copytree(checkpoint, damaged)
   victim = max((p for p in (damaged / 'state').rglob('*') if p.is_file()),
                key=lambda p: p.stat().st_size)
-  victim.write_bytes(victim.read_bytes()[:-1])
+  data = victim.read_bytes()
+  victim.write_bytes(data[:-1])
   with pytest.raises(CheckpointError, match='E-EXPORT-004'):
+    offline.export_checkpoint(damaged, 'hf', tmp_path / 'x')
+  assert not (tmp_path / 'x').exists()
+  # Same size, one bit flipped: caught by the checksum checked while the arrays are read.
+  victim.write_bytes(data[:100] + bytes([data[100] ^ 4]) + data[101:])
+  with pytest.raises(CheckpointError, match='E-EXPORT-004.*checksum mismatch'):
     offline.export_checkpoint(damaged, 'hf', tmp_path / 'x')
   assert not (tmp_path / 'x').exists()

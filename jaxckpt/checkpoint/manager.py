@@ -35,6 +35,7 @@ from jaxckpt.checkpoint.staging import HostStager
 from jaxckpt.errors import CheckpointError, JaxckptError, UsageError
 
 MODES = ('auto', 'async', 'sync')
+RAW_DATA = f'{layout.STATE_DIR}/{rawstore.DATA}'  # the raw store's data file, in a manifest
 STORAGES = ('auto', 'raw', 'orbax')
 
 
@@ -339,13 +340,12 @@ class CheckpointManager:
     step_dir = self._resolve(step_or_dir)
     meta = manifest.read(step_dir)
     raw = meta.get('storage') == 'raw'
-    raw_data = f'{layout.STATE_DIR}/{rawstore.DATA}'
     checksums = verify and self.options.verify_checksums
     if verify:
       # The raw data file's CRC is checked while it is read below (array by array when `only`
       # picks a subset): one pass over the data, not two.
       _, problems = manifest.check(step_dir, meta, checksums=checksums,
-                                   skip_checksum=[raw_data] if raw else [])
+                                   skip_checksum=[RAW_DATA] if raw else [])
       if problems:
         raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problems[0]}'
                               + (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
@@ -362,7 +362,7 @@ class CheckpointManager:
 
       restored = rawstore.read(
           step_dir / layout.STATE_DIR, list(want), place=place,
-          expect_crc32=meta['files'][raw_data]['crc32'] if checksums else None,
+          expect_crc32=meta['files'][RAW_DATA]['crc32'] if checksums else None,
           direct=verify)  # unverified: the caller's check just read the file
     else:
       restored = _orbax_restore(step_dir, want, partial=only is not None)
@@ -371,12 +371,17 @@ class CheckpointManager:
     return state, layout.read_json(step_dir / layout.RUN_STATE)
 
 
-def read_host_arrays(step_dir: os.PathLike) -> dict[str, np.ndarray]:
-  """Every array of a committed checkpoint as host numpy, whatever wrote it; no devices used."""
+def read_host_arrays(step_dir: os.PathLike, *, checksum: bool = True) -> dict[str, np.ndarray]:
+  """Every array of a committed checkpoint as host numpy, whatever wrote it; no devices used.
+
+  With `checksum`, raw-store data is checked against the manifest's CRC as it is read (E-CKPT-003
+  on a mismatch), so a caller verifying the other files can skip `RAW_DATA`: one pass over it.
+  """
   step_dir = Path(step_dir).absolute()
   meta = manifest.read(step_dir)
   if meta.get('storage') == 'raw':
-    return rawstore.read(step_dir / layout.STATE_DIR)
+    return rawstore.read(step_dir / layout.STATE_DIR,
+                         expect_crc32=meta['files'][RAW_DATA]['crc32'] if checksum else None)
   args = {t['name']: ocp.RestoreArgs(restore_type=np.ndarray) for t in meta['tensors']}
   restored = _checkpointer().restore(step_dir / layout.STATE_DIR,
                                      args=ocp.args.PyTreeRestore(restore_args=args))

@@ -25,7 +25,7 @@ import numpy as np
 from jaxckpt import identity
 from jaxckpt import model as model_lib
 from jaxckpt.checkpoint import layout, manifest
-from jaxckpt.checkpoint.manager import read_host_arrays
+from jaxckpt.checkpoint.manager import RAW_DATA, read_host_arrays
 from jaxckpt.errors import CheckpointError, UsageError
 from jaxckpt.export import flatbin, hf, safetensors_io
 
@@ -118,11 +118,16 @@ def _read_manifest(step_dir: Path) -> dict[str, Any]:
     raise UsageError('E-EXPORT-003', f'{step_dir} is not a committed checkpoint (a step_<n> '
                      'directory with a manifest.json)', 'pass a checkpoints/step_<n> directory')
   meta = manifest.read(step_dir)
-  problems = manifest.verify(step_dir, meta, checksums=True)
+  # The raw store's data is checked against its checksum while `_read_arrays` reads it.
+  problems = manifest.verify(step_dir, meta, checksums=True, skip_checksum=[RAW_DATA])
   if problems:
-    raise CheckpointError('E-EXPORT-004', f'{step_dir} is damaged: {problems[0]}',
-                          'export an earlier checkpoint (`jaxckpt verify` lists the damage)')
+    raise _damaged(step_dir, problems[0])
   return meta
+
+
+def _damaged(step_dir: Path, problem: str) -> CheckpointError:
+  return CheckpointError('E-EXPORT-004', f'{step_dir} is damaged: {problem}',
+                         'export an earlier checkpoint (`jaxckpt verify` lists the damage)')
 
 
 def _model_config(step_dir: Path, meta: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -135,7 +140,12 @@ def _model_config(step_dir: Path, meta: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def _read_arrays(step_dir: Path, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
   # As numpy, whatever mesh (and storage) wrote them: no devices are needed, none are touched.
-  return read_host_arrays(step_dir)
+  try:
+    return read_host_arrays(step_dir)
+  except CheckpointError as e:
+    if e.code != 'E-CKPT-003':
+      raise
+    raise _damaged(step_dir, e.what) from e
 
 
 def export_checkpoint(step_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, *,
