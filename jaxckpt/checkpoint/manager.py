@@ -371,17 +371,17 @@ class CheckpointManager:
     return state, layout.read_json(step_dir / layout.RUN_STATE)
 
 
-def read_host_arrays(step_dir: os.PathLike, *, checksum: bool = True) -> dict[str, np.ndarray]:
+def read_host_arrays(step_dir: os.PathLike) -> dict[str, np.ndarray]:
   """Every array of a committed checkpoint as host numpy, whatever wrote it; no devices used.
 
-  With `checksum`, raw-store data is checked against the manifest's CRC as it is read (E-CKPT-003
-  on a mismatch), so a caller verifying the other files can skip `RAW_DATA`: one pass over it.
+  Raw-store data is checked against the manifest's CRC as it is read (E-CKPT-003 on a mismatch),
+  so a caller verifying the other files can skip `RAW_DATA`: one pass over it.
   """
   step_dir = Path(step_dir).absolute()
   meta = manifest.read(step_dir)
   if meta.get('storage') == 'raw':
     return rawstore.read(step_dir / layout.STATE_DIR,
-                         expect_crc32=meta['files'][RAW_DATA]['crc32'] if checksum else None)
+                         expect_crc32=meta['files'][RAW_DATA]['crc32'])
   args = {t['name']: ocp.RestoreArgs(restore_type=np.ndarray) for t in meta['tensors']}
   restored = _checkpointer().restore(step_dir / layout.STATE_DIR,
                                      args=ocp.args.PyTreeRestore(restore_args=args))

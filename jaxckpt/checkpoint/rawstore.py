@@ -210,15 +210,16 @@ def read(directory: Path, names=None, *, expect_crc32: str | None = None, direct
           runs[run] = None  # `place` may have copied them (to a GPU): let the host copy go
   finally:
     os.close(fd)
-  if check_file and f'{crc:08x}' != expect_crc32:
-    raise CheckpointError('E-CKPT-003', f'{directory / DATA}: checksum mismatch (crc32 '
-                          f'{crc:08x}, manifest says {expect_crc32})',
-                          'resume from an earlier checkpoint')
+  if check_file:
+    _check_crc(directory, f'{crc:08x}', expect_crc32)
   return out
 
 
 def _check_file(directory: Path, expect_crc32: str) -> None:
-  got = manifest.crc32_file(directory / DATA)[1]
+  _check_crc(directory, manifest.crc32_file(directory / DATA)[1], expect_crc32)
+
+
+def _check_crc(directory: Path, got: str, expect_crc32: str) -> None:
   if got != expect_crc32:
     raise CheckpointError('E-CKPT-003', f'{directory / DATA}: checksum mismatch (crc32 {got}, '
                           f'manifest says {expect_crc32})', 'resume from an earlier checkpoint')
