@@ -15,6 +15,7 @@ the config are dropped (the "zombie arm" guard) and new sources join.
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, Mapping, Sequence
 
@@ -106,9 +107,14 @@ class Bandit:
     self.state['pending'] = []
 
   def snapshot(self) -> dict[str, Any]:
-    """The JSON state, pending losses included (it syncs them from the device)."""
+    """A copy of the JSON state, pending losses included (it syncs them from the device).
+
+    Deep: `record` and `update` change the state's lists in place from the next step on, and a
+    snapshot handed to an async save must keep this step's values.
+    """
     self._settle()
-    return {**self.state, 'probabilities': [float(x) for x in self.probabilities()]}
+    return {**copy.deepcopy(self.state),
+            'probabilities': [float(x) for x in self.probabilities()]}
 
 
 def fresh_state(arms: Sequence[str], phase: int) -> dict[str, Any]:

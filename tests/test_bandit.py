@@ -67,3 +67,15 @@ def test_impossible_bounds_are_a_config_error():
   with pytest.raises(ConfigError, match='E-CONFIG-005'):
     bandit.validate(cfg(floor=0.6), ['a', 'b'])
   bandit.validate(cfg(), ['only'])  # one source: bounds do not apply
+
+
+def test_a_snapshot_keeps_its_values_while_the_bandit_goes_on():
+  """An async checkpoint holds the snapshot while later steps record into the live bandit."""
+  b = bandit.Bandit(cfg(update_every=2), ['x', 'y'], seed=0)
+  for step in range(1, 5):
+    b.record(step, step % 2, 3.0 - 0.1 * step)
+  snap = b.snapshot()
+  frozen = repr(snap)
+  for step in range(5, 9):
+    b.record(step, step % 2, 3.0 - 0.1 * step)
+  assert repr(snap) == frozen and sum(snap['pulls']) == 4

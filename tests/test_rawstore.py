@@ -116,3 +116,33 @@ def test_aligned_empty_buffers_are_zero_padded(tmp_path):
       view = rawstore._padded_view(x)
       assert len(view) == rawstore.padded(x.nbytes)
       assert not any(bytes(view[x.nbytes:]))
+
+
+@pytest.mark.skipif(not hasattr(__import__('os'), 'O_DIRECT'), reason='no O_DIRECT here')
+def test_a_filesystem_that_fails_direct_transfers_falls_back_to_buffered(tmp_path, monkeypatch,
+                                                                         caplog):
+  """Some mounts accept O_DIRECT at open and fail each transfer with EINVAL: write and read
+  still work (buffered + fsync), and the path taken is logged once."""
+  import errno
+  import fcntl
+  import logging
+  import os
+  real_pwrite, real_preadv = os.pwrite, os.preadv
+
+  def refuse_direct(real):
+    def transfer(fd, *args):
+      if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+        raise OSError(errno.EINVAL, 'Invalid argument')
+      return real(fd, *args)
+    return transfer
+
+  monkeypatch.setattr(os, 'pwrite', refuse_direct(real_pwrite))
+  monkeypatch.setattr(os, 'preadv', refuse_direct(real_preadv))
+  monkeypatch.setattr(rawstore, '_said', set())
+  caplog.set_level(logging.INFO, logger=rawstore.__name__)
+  state = arrays()
+  table = rawstore.write(tmp_path, state)
+  out = rawstore.read(tmp_path, expect_crc32=table[rawstore.DATA]['crc32'])
+  assert {k: v.tobytes() for k, v in out.items()} == {k: v.tobytes() for k, v in state.items()}
+  fallbacks = [r for r in caplog.records if 'fails its transfers' in r.getMessage()]
+  assert len(fallbacks) == 1

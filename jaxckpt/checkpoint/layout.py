@@ -10,6 +10,7 @@ is debris from a crash, never read, and removed by the next writer.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -123,6 +124,18 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     tmp.unlink(missing_ok=True)
     raise
   fsync_dir(path.parent)
+
+
+def exchange(a: Path, b: Path) -> bool:
+  """Atomically swap two paths (Linux >= 3.15 `renameat2` RENAME_EXCHANGE).
+
+  Returns False, having changed nothing, where the OS or the filesystem cannot.
+  """
+  renameat2 = getattr(ctypes.CDLL(None, use_errno=True), 'renameat2', None)
+  if renameat2 is None:
+    return False
+  at_fdcwd, rename_exchange = -100, 2
+  return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
 def write_file_durably(path: Path, data: bytes) -> None:

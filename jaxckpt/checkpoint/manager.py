@@ -7,8 +7,9 @@
           mgr.save(step + 1, state, run_state={'data_position': step + 1})
     state, run_state = mgr.restore(mgr.latest_step(), target=abstract_state)
 
-`save` returns once the state is copied to host memory; writing, fsyncing, committing and
-deleting old checkpoints run on one background thread. One save is in flight at a time: the next
+`save` returns once the state is copied to host memory and the run state and metadata it was
+handed are serialized: whatever the caller mutates afterwards, the checkpoint holds the values of
+the call. Writing, fsyncing, committing and deleting old checkpoints run on one background thread. One save is in flight at a time: the next
 `save` waits for the previous one. An error in the background is stored and raised in the caller's
 thread by the next `save`, `wait_until_finished` or `close`; the checkpoint it was writing is never
 committed. The manager does not import the trainer: any pytree of arrays can be saved.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
+import logging
 import os
 import shutil
 import threading
@@ -38,13 +41,17 @@ MODES = ('auto', 'async', 'sync')
 RAW_DATA = f'{layout.STATE_DIR}/{rawstore.DATA}'  # the raw store's data file, in a manifest
 STORAGES = ('auto', 'raw', 'orbax')
 
+_log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
   """How and when a manager saves. Zero turns a cadence or retention rule off."""
   every_steps: int = 0          # save when step % every_steps == 0
   every_secs: float = 0.0       # save when this many seconds passed since the last save
-  mode: str = 'auto'            # async: stage then write in the background; sync: write inline
+  mode: str = 'auto'            # async: stage then write in the background; sync: write inline;
+                                # auto: async when host memory has room for a staged copy, else
+                                # write inline from the arrays themselves (no staged copy)
   keep: int = 3                 # newest checkpoints kept (0 keeps all)
   keep_every: int = 0           # steps divisible by this are kept forever
   verify_checksums: bool = True  # check every file's CRC before restoring it
@@ -73,6 +80,10 @@ class CommitInfo:
   seconds_blocked: float    # the caller's wait: previous save + device->host copy
   seconds_to_commit: float  # from the call of save() to the manifest being durable
   deleted: tuple[int, ...]  # older steps removed by retention after this commit
+  # Older steps retention could not remove, with why ('step 100: PermissionError: ...'). The
+  # commit stands; the next commit tries again, and the next writer's start removes half-deleted
+  # ones as debris.
+  retention_errors: tuple[str, ...] = ()
   # The host copy that was just written, by leaf name ('params/h/0/attn/c_attn/kernel', ...).
   # IMPORTANT: valid only until the next save starts (it reuses these buffers). The next save
   # waits for the callback, so reading them inside it (e.g. to export) is safe; keep no reference.
@@ -115,11 +126,48 @@ def _spec(sharding) -> str | None:
   return None if spec is None else str(tuple(spec))
 
 
-def _available_host_memory() -> int:
+def available_host_memory(meminfo: str = '/proc/meminfo') -> int | None:
+  """Bytes the kernel can hand out without swapping (`MemAvailable`: free memory plus the page
+  cache it can reclaim); None where that is not known.
+
+  Free pages alone (`SC_AVPHYS_PAGES`) shrink as the page cache fills with checkpoint data the
+  kernel would drop at once, and would push `auto` to sync for no reason.
+  """
   try:
-    return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-  except (ValueError, OSError):
-    return 0
+    with open(meminfo) as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return None
+
+
+def choose_mode(mode: str, needed: int, available: int | None) -> str:
+  """The mode of one save: `auto` is async when the staged copy's `needed` new bytes fit twice
+  into `available` host memory (the copy, and headroom for the training step that runs beside
+  the write), else sync; unknown memory counts as room."""
+  if mode != 'auto':
+    return mode
+  return 'async' if available is None or available > 2 * needed else 'sync'
+
+
+class _Unstaged(Mapping[str, np.ndarray]):
+  """Leaves read as host arrays one at a time, when a save writes inline without a staged copy
+  (`auto` short of memory): on CPU `np.asarray` shares the device buffer, on an accelerator each
+  leaf is fetched when the writer reaches it."""
+
+  def __init__(self, leaves: Mapping[str, Any]):
+    self._leaves = leaves
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    return np.asarray(self._leaves[name])
+
+  def __iter__(self):
+    return iter(self._leaves)
+
+  def __len__(self) -> int:
+    return len(self._leaves)
 
 
 class CheckpointManager:
@@ -150,6 +198,7 @@ class CheckpointManager:
     self._last_save_step = -1
     self._last_save_time = clock()
     self.removed_debris: list[Path] = []
+    self.mode_used: str | None = None  # the mode the last save ran in ('async' or 'sync')
     if writer:
       self.directory.mkdir(parents=True, exist_ok=True)
       self.removed_debris = layout.remove_debris(self.directory)
@@ -172,11 +221,23 @@ class CheckpointManager:
     """Whether the cadence asks for a checkpoint of `step` now (the caller adds the last step)."""
     return self._save_policy.due(step, self._clock(), self._last_save_step, self._last_save_time)
 
-  def _resolved_mode(self, nbytes: int) -> str:
+  def continue_from(self, step: int) -> None:
+    """Training (re)starts at `step`: the cadence counts from there.
+
+    Without this the cadence counts from the newest committed step. A run that continues from an
+    older checkpoint (an explicit one, or `latest` passing over a damaged newer one) replays
+    steps that may have checkpoints of an earlier history; they are saved again as the run
+    passes them, each replacing the old one atomically (see `save`).
+    """
+    self._last_save_step, self._last_save_time = step, self._clock()
+
+  def _mode(self, leaves: Mapping[str, Any]) -> str:
+    """This save's mode, decided before any host memory is allocated for it."""
     if self.options.mode != 'auto':
       return self.options.mode
-    # async keeps one staged copy of the state in host memory; without room for it, write inline.
-    return 'async' if _available_host_memory() > 2 * nbytes else 'sync'
+    needed = sum(int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+                 for x in leaves.values())
+    return choose_mode('auto', max(0, needed - self._stager.nbytes()), available_host_memory())
 
   def save(self, step: int, state: Any, run_state: Mapping[str, Any] | None = None, *,
            metadata: Mapping[str, Any] | None = None,
@@ -185,7 +246,14 @@ class CheckpointManager:
 
     Blocks while the previous save finishes and `state` is copied to host memory; the write
     continues in the background (or inline in sync mode). `run_state` is JSON (counters, data
-    position, RNG); `metadata` is added to the manifest (identity, config, ...).
+    position, RNG); `metadata` is added to the manifest (identity, config, ...). Both are
+    serialized before `save` returns, so the checkpoint holds their values at the call even when
+    the caller changes them while the write runs.
+
+    A step that already has a committed checkpoint (a replay after resuming from an older one)
+    is replaced atomically: the new checkpoint is completed, manifest included, under its
+    temporary name and swapped with the old one in a single `renameat2(RENAME_EXCHANGE)`, so a
+    crash at any moment leaves one intact version of the step.
 
     `exclude` leaves tensors out: a predicate on `named_leaves` names. They are neither copied nor
     written; the manifest lists them under `excluded` (name, shape, dtype, spec), not under
@@ -200,14 +268,23 @@ class CheckpointManager:
     if exclude is not None:
       left_out = {n: x for n, x in leaves.items() if exclude(n)}
       leaves = {n: x for n, x in leaves.items() if n not in left_out}
+    # Captured now, as bytes and a private copy: the caller's dicts and lists may change while
+    # the write runs (a bandit's pulls, counters), and a non-JSON value fails here, in its thread.
+    run_state_json = _json_bytes({'step': step, **(run_state or {})})
+    metadata = json.loads(_json_bytes(dict(metadata or {})))
     # The tensor tables are formatted by the writer: the caller only waits for the host copy (the
     # arrays themselves may be donated to the next train step by then).
     shapes = (avals(leaves), avals(left_out))
-    staged = self._stager.stage(leaves)
+    self.mode_used = mode = self._mode(leaves)
+    if mode == 'sync' and self.options.mode == 'auto':
+      self._stager.release()  # short of memory: write from the arrays, hold no staged copy
+      staged = _Unstaged(leaves)
+    else:
+      staged = self._stager.stage(leaves)
     blocked = time.perf_counter() - t0
     self._last_save_step, self._last_save_time = step, self._clock()
-    job = (step, staged, shapes, dict(run_state or {}), dict(metadata or {}), t0, blocked)
-    if self._resolved_mode(self._stager.nbytes()) == 'sync':
+    job = (step, staged, shapes, run_state_json, metadata, t0, blocked)
+    if mode == 'sync':
       self._write(*job)
       return
     if self._executor is None:
@@ -236,7 +313,7 @@ class CheckpointManager:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def _write(self, step, staged, shapes, run_state, metadata, t0, blocked) -> None:
+  def _write(self, step, staged, shapes, run_state_json, metadata, t0, blocked) -> None:
     tmp = layout.temporary_dir(self.directory, step)
     try:
       saved, left_out = shapes
@@ -250,22 +327,19 @@ class CheckpointManager:
         known = {f'{layout.STATE_DIR}/{k}': v
                  for k, v in rawstore.write(tmp / layout.STATE_DIR, staged).items()}
       else:
-        _checkpointer().save(tmp / layout.STATE_DIR, args=ocp.args.PyTreeSave(staged))
+        _checkpointer().save(tmp / layout.STATE_DIR, args=ocp.args.PyTreeSave(dict(staged)))
       metadata = {**metadata, 'storage': storage}
-      layout.write_json_durably(tmp / layout.RUN_STATE, {'step': step, **run_state})
+      layout.write_file_durably(tmp / layout.RUN_STATE, run_state_json)
       files = manifest.file_table(tmp, known=known)
+      sealed = manifest.sealed_json(manifest.build(step, files, table, metadata))
       final = self.step_dir(step)
-      replaced = None
-      if final.exists():  # an earlier history reached this step too: swap it out atomically
-        replaced = layout.deleting_dir(self.directory, step)
-        os.rename(final, replaced)
-      os.rename(tmp, final)
-      layout.fsync_dir(self.directory)
-      layout.write_file_durably(final / layout.MANIFEST, manifest.sealed_json(
-          manifest.build(step, files, table, metadata)))  # the commit
+      if final.exists():
+        _replace(tmp, final, sealed)  # an earlier history reached this step too
+      else:
+        os.rename(tmp, final)
+        layout.fsync_dir(self.directory)
+        layout.write_file_durably(final / layout.MANIFEST, sealed)  # the commit
       committed = time.perf_counter()
-      if replaced is not None:
-        shutil.rmtree(replaced, ignore_errors=True)
     except BaseException as e:
       shutil.rmtree(tmp, ignore_errors=True)
       last = layout.committed_steps(self.directory) if self.directory.is_dir() else {}
@@ -274,11 +348,11 @@ class CheckpointManager:
       raise CheckpointError('E-CKPT-001', f'writing checkpoint step {step} under '
                             f'{self.directory} failed: {type(e).__name__}: {e}',
                             f'nothing was committed for step {step}; {intact}') from e
-    deleted = self._apply_retention()
+    deleted, retention_errors = self._apply_retention()
     if self._on_commit is None:
       return
     info = CommitInfo(step, final, sum(f['size'] for f in files.values()), blocked,
-                      committed - t0, tuple(deleted), staged=staged)
+                      committed - t0, tuple(deleted), tuple(retention_errors), staged=staged)
     try:
       self._on_commit(info)
     except JaxckptError:
@@ -293,18 +367,31 @@ class CheckpointManager:
       return self.options.storage
     return 'raw' if jax.process_count() == 1 else 'orbax'
 
-  def _apply_retention(self) -> list[int]:
-    """Delete what retention lets go; only ever called right after a commit."""
-    committed = layout.committed_steps(self.directory)
-    doomed = self._retention.to_delete(committed)
-    for step in doomed:
-      # Rename first so a half-deleted directory never looks like a checkpoint.
-      gone = layout.deleting_dir(self.directory, step)
-      os.rename(committed[step], gone)
-      shutil.rmtree(gone, ignore_errors=True)
-    if doomed:
-      layout.fsync_dir(self.directory)
-    return doomed
+  def _apply_retention(self) -> tuple[list[int], list[str]]:
+    """Delete what retention lets go; only ever called right after a commit.
+
+    Returns (deleted steps, problems). A step that cannot be removed is a warning, not a failed
+    save: the checkpoint just committed is intact, and the next commit tries again.
+    """
+    deleted, problems = [], []
+    try:
+      committed = layout.committed_steps(self.directory)
+      for step in self._retention.to_delete(committed):
+        try:
+          # Rename first so a half-deleted directory never looks like a checkpoint.
+          gone = layout.deleting_dir(self.directory, step)
+          os.rename(committed[step], gone)
+          deleted.append(step)
+          shutil.rmtree(gone)
+        except OSError as e:
+          problems.append(f'step {step}: {type(e).__name__}: {e}')
+      if deleted:
+        layout.fsync_dir(self.directory)
+    except Exception as e:  # listing or fsync failed: the commit before it stands all the same
+      problems.append(f'{type(e).__name__}: {e}')
+    for problem in problems:
+      _log.warning('retention under %s could not delete %s', self.directory, problem)
+    return deleted, problems
 
   # ----------------------------------------------------------------------------- restoring
   def read_manifest(self, step_or_dir: int | os.PathLike) -> dict[str, Any]:
@@ -319,8 +406,10 @@ class CheckpointManager:
     return Path(step_or_dir)
 
   def verify(self, step_or_dir, *, checksums: bool | None = None) -> list[str]:
+    """Problems of a checkpoint ([] when intact): the ones `jaxckpt verify` reports, its
+    manifest's own checksum included. Damage is returned, never raised."""
     checksums = self.options.verify_checksums if checksums is None else checksums
-    return manifest.verify(self._resolve(step_or_dir), checksums=checksums)
+    return manifest.check(self._resolve(step_or_dir), checksums=checksums)[1]
 
   def restore(self, step_or_dir: int | os.PathLike, target: Any, *,
               only: Callable[[str], bool] | None = None,
@@ -369,6 +458,33 @@ class CheckpointManager:
     leaves = [restored[n] for n in want]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
     return state, layout.read_json(step_dir / layout.RUN_STATE)
+
+
+def _json_bytes(obj: Any) -> bytes:
+  try:
+    return (json.dumps(obj, indent=1) + '\n').encode()
+  except (TypeError, ValueError) as e:
+    raise CheckpointError('E-CKPT-011', f'run_state and metadata must be JSON: {e}',
+                          'pass plain dicts, lists, strings and numbers') from e
+
+
+def _replace(tmp: Path, final: Path, sealed: bytes) -> None:
+  """Commit `tmp` as `final` where `final` is already a checkpoint, never leaving neither.
+
+  The manifest goes into `tmp` first, so `tmp` is a complete checkpoint under a temporary name
+  (debris to any reader); one exchange then swaps the two names. Before it the old checkpoint is
+  in place, after it the new one, and the old one, now under the temporary name, is removed.
+  """
+  layout.write_file_durably(tmp / layout.MANIFEST, sealed)
+  if not layout.exchange(tmp, final):
+    # No RENAME_EXCHANGE here (not Linux, or a filesystem without it): two renames, with a
+    # window in which a crash leaves this step only as debris. Older steps are untouched.
+    aside = layout.deleting_dir(final.parent, int(final.name.split('_')[1]))
+    os.rename(final, aside)
+    os.rename(tmp, final)
+    tmp = aside
+  layout.fsync_dir(final.parent)
+  shutil.rmtree(tmp, ignore_errors=True)
 
 
 def read_host_arrays(step_dir: os.PathLike) -> dict[str, np.ndarray]:

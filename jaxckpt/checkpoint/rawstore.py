@@ -12,15 +12,21 @@ both. This store writes the already-staged host buffers straight to `state/array
 
 Reads mirror it: four threads read into huge-page buffers (one per large array, one per run of
 small ones) while the caller checks the CRC and places each finished run (on its devices).
-Filesystems without O_DIRECT (tmpfs, some network mounts) fall back to buffered I/O + fsync.
+Filesystems without O_DIRECT fall back to buffered I/O + fsync: those that refuse the flag at
+`open` (tmpfs) and those that accept it and then fail the first `pwrite`/`preadv` with EINVAL
+(some network and FUSE mounts); the path taken is logged once per process.
 Multi-process states (arrays not fully addressable) are written by orbax instead.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
+import fcntl
+import logging
 import mmap
 import os
+import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -86,14 +92,53 @@ def _padded_view(x: np.ndarray) -> memoryview:
   return memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
 
 
+_log = logging.getLogger(__name__)
+_said: set[str] = set()
+_said_lock = threading.Lock()
+
+
+def _say_once(path_taken: str, where: Path) -> None:
+  with _said_lock:
+    if path_taken in _said:
+      return
+    _said.add(path_taken)
+  _log.info('raw store: %s (first seen at %s)', path_taken, where)
+
+
 def _open_direct(path: Path, flags: int) -> tuple[int, bool]:
   direct = getattr(os, 'O_DIRECT', 0)
   if direct:
     try:
-      return os.open(path, flags | direct, 0o644), True
+      fd = os.open(path, flags | direct, 0o644)
+      _say_once('O_DIRECT I/O', path)
+      return fd, True
     except OSError:
       pass  # the filesystem does not support it
+  _say_once('buffered I/O + fsync (the filesystem refuses O_DIRECT)', path)
   return os.open(path, flags, 0o644), False
+
+
+def _drop_direct(fd: int) -> None:
+  """Turn O_DIRECT off on `fd`: the filesystem failed an aligned direct transfer with EINVAL.
+  Idempotent: another thread's transfer may have failed the same way first."""
+  direct = getattr(os, 'O_DIRECT', 0)
+  flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+  if direct and flags & direct:
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~direct)
+    _say_once('buffered I/O + fsync (the filesystem accepts O_DIRECT but fails its transfers)',
+              Path(os.readlink(f'/proc/self/fd/{fd}')) if os.path.exists('/proc/self/fd')
+              else Path(f'fd {fd}'))
+
+
+def _transfer(fn, fd: int, view: memoryview, offset: int) -> int:
+  """`fn(fd, view, offset)` (pwrite or preadv); an EINVAL is retried once without O_DIRECT."""
+  try:
+    return fn(fd, view, offset)
+  except OSError as e:
+    if e.errno != errno.EINVAL or not getattr(os, 'O_DIRECT', 0):
+      raise
+  _drop_direct(fd)
+  return fn(fd, view, offset)  # the same bytes through the page cache; the final fsync covers them
 
 
 def write(directory: Path, arrays: Mapping[str, np.ndarray]) -> dict[str, dict[str, Any]]:
@@ -146,7 +191,7 @@ def _copy_aligned(view: memoryview) -> memoryview:
 def _pwrite_all(fd: int, data, offset: int) -> None:
   view = memoryview(data)
   while view:
-    n = os.pwrite(fd, view, offset)
+    n = _transfer(os.pwrite, fd, view, offset)
     view, offset = view[n:], offset + n
 
 
@@ -253,7 +298,7 @@ def _runs(index: Mapping[str, Mapping[str, Any]], wanted: list[str]
 
 def _pread_all(fd: int, view: memoryview, offset: int) -> None:
   while view:
-    n = os.preadv(fd, [view], offset)
+    n = _transfer(lambda fd, v, o: os.preadv(fd, [v], o), fd, view, offset)
     if n == 0:
       raise CheckpointError('E-CKPT-003', 'arrays.bin is shorter than its index says',
                             'resume from an earlier checkpoint')

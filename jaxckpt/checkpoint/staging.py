@@ -79,6 +79,10 @@ class HostStager:
   def nbytes(self) -> int:
     return sum(b.nbytes for b in self._buffers.values())
 
+  def release(self) -> None:
+    """Let the staged buffers go (a save that writes without a staged copy does not need them)."""
+    self._buffers.clear()
+
   def close(self) -> None:
     if self._helper is not None:
       self._helper.shutdown(wait=True)

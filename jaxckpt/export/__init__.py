@@ -18,14 +18,14 @@ a half-written export under its final name. The helpers here are the two shapes 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 from pathlib import Path
 from typing import Iterator
 
 # One write-fsync-rename primitive for checkpoints and exports alike.
-from jaxckpt.checkpoint.layout import TMP_MARK, atomic_file, fsync_dir, temporary_sibling
+from jaxckpt.checkpoint.layout import (TMP_MARK, atomic_file, exchange, fsync_dir,
+                                      temporary_sibling)
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
@@ -54,7 +54,7 @@ def _publish_dir(tmp: Path, path: Path) -> None:
   if not path.exists():
     os.rename(tmp, path)
     return
-  if _exchange(tmp, path):  # tmp now holds the old export
+  if exchange(tmp, path):  # tmp now holds the old export
     shutil.rmtree(tmp, ignore_errors=True)
     return
   old = temporary_sibling(path)
@@ -62,12 +62,3 @@ def _publish_dir(tmp: Path, path: Path) -> None:
   os.rename(tmp, path)
   shutil.rmtree(old, ignore_errors=True)
 
-
-def _exchange(a: Path, b: Path) -> bool:
-  """Atomically swap two paths (Linux >= 3.15); False where the OS or filesystem cannot."""
-  libc = ctypes.CDLL(None, use_errno=True)
-  renameat2 = getattr(libc, 'renameat2', None)
-  if renameat2 is None:
-    return False
-  at_fdcwd, rename_exchange = -100, 2
-  return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
