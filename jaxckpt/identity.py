@@ -75,9 +75,23 @@ def flatten_config(config: Any) -> dict[str, Any]:
   return out
 
 
+def flagged_fields(flag_values, flag_fields: Mapping[str, str] | None = None,
+                   config_flag: str = 'config') -> set[str]:
+  """Config fields the command line set, from absl's and ml_collections' own records.
+
+  Parsed flags know whether they were given (`--flagfile` included), which no reading of argv
+  does: `--config.*` overrides are the config flag's `override_values`, and a flag in
+  `flag_fields` ({flag: dotted field}) counts when it is `present`.
+  """
+  from ml_collections import config_flags  # not for every user of this module
+  named = set(config_flags.get_override_values(flag_values[config_flag]))
+  return named | {field for flag, field in (flag_fields or {}).items()
+                  if flag_values[flag].present}
+
+
 def overridden_fields(overrides: Iterable[str],
                       flag_fields: Mapping[str, str] | None = None) -> set[str]:
-  """Config fields named on a command line.
+  """Config fields named on a command line, read from argv (`flagged_fields` reads parsed flags).
 
   `--config.train.lr=0.001`, `--config.train.lr 0.001` and `--noconfig.model.tie_embeddings`
   name `train.lr` and `model.tie_embeddings`; `flag_fields` maps other flags onto fields
@@ -104,24 +118,26 @@ def overridden_fields(overrides: Iterable[str],
 
 
 def knob_table(config, *, default_config=None, file_config=None, overrides: Iterable[str] = (),
-               flag_fields: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+               flag_fields: Mapping[str, str] | None = None,
+               flagged: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
   """Every leaf of `config` as {dotted name: {'value': v, 'source': s}}.
 
-  The source is 'flag' when a command-line argument in `overrides` set the field (or a field
-  above it), else 'default' when the value is the one in `default_config` (configs/default.py)
-  and the config file left it alone, else 'config file'.
+  The source is 'flag' when the command line set the field (or a field above it), else
+  'default' when the value is the one in `default_config` (configs/default.py) and the config
+  file left it alone, else 'config file'.
 
   Args:
     config: the final ConfigDict the run uses (file + flags).
     default_config: the defaults the config file starts from; None: no field counts as default.
     file_config: the config file's own `get_config()`, before flags; None: judged from `config`.
-    overrides: the command line (`sys.argv[1:]`).
+    overrides: the command line (`sys.argv[1:]`), read when `flagged` is None.
     flag_fields: flags other than `--config.*` that set config fields, {flag: dotted field}.
+    flagged: the fields the command line set (`flagged_fields`).
   """
   values = flatten_config(config)
   defaults = flatten_config(default_config) if default_config is not None else None
   from_file = flatten_config(file_config) if file_config is not None else None
-  flagged = overridden_fields(overrides, flag_fields)
+  flagged = set(flagged) if flagged is not None else overridden_fields(overrides, flag_fields)
   table = {}
   for name, value in values.items():
     parts = name.split('.')
@@ -155,8 +171,9 @@ def load_default_config(config_file: str | os.PathLike):
   return load_config_file(path) if path.is_file() else None
 
 
-def provenance(config, config_file: str, argv: Iterable[str],
-               flag_fields: Mapping[str, str] | None = None) -> dict[str, Any]:
+def provenance(config, config_file: str, argv: Iterable[str] = (),
+               flag_fields: Mapping[str, str] | None = None, *,
+               flagged: Iterable[str] | None = None) -> dict[str, Any]:
   """{'knobs', 'sources'} for `build`, from what `main` knows: the config file and command line.
 
   The defaults are `default.py` beside the config file (when there is one); it is hashed with
@@ -165,8 +182,9 @@ def provenance(config, config_file: str, argv: Iterable[str],
   Args:
     config: the final ConfigDict (file + flags).
     config_file: the config flag's file (`config_flags.get_config_filename(FLAGS['config'])`).
-    argv: the command line (`sys.argv[1:]`).
+    argv: the command line (`sys.argv[1:]`), read when `flagged` is None.
     flag_fields: flags other than `--config.*` that set config fields, {flag: dotted field}.
+    flagged: the fields the command line set; `main` passes `flagged_fields(FLAGS, ...)`.
   """
   path = str(config_file).split(':', 1)[0]
   default_config = load_default_config(path)
@@ -174,7 +192,7 @@ def provenance(config, config_file: str, argv: Iterable[str],
   extra = [defaults_file] if default_config is not None and defaults_file != path else []
   return {'knobs': knob_table(config, default_config=default_config,
                               file_config=load_config_file(config_file), overrides=argv,
-                              flag_fields=flag_fields),
+                              flag_fields=flag_fields, flagged=flagged),
           'sources': source_hashes(config_file, extra)}
 
 
@@ -314,10 +332,10 @@ def build(*, config, params, opt_state, partition_specs=None, mesh_shape: Mappin
   if versions is None:
     from jaxckpt import train  # the trainer imports this module: import it when called
     versions = train.versions()
-  try:
-    order = model_lib.parameter_names(config.model)
-  except AttributeError:  # not a GPT config: tree order
-    order = None
+  # A GPT config has the fields `parameter_names` reads; any other config gets the tree order.
+  model_cfg = getattr(config, 'model', None)
+  gpt = all(hasattr(model_cfg, field) for field in ('n_layer', 'tie_embeddings'))
+  order = model_lib.parameter_names(model_cfg) if gpt else None
   identity = {
       'config': config.to_dict() if hasattr(config, 'to_dict') else dict(config),
       'knobs': dict(knobs) if knobs is not None else knob_table(config),

@@ -7,17 +7,18 @@ committed checkpoint in <workdir>/checkpoints. `--config.train.steps=500` style 
 config fields; the checkpoint flags below override `config.checkpoint.*`.
 """
 
+import functools
 import os
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
 from jaxckpt import cli_support, identity
+from jaxckpt.checkpoint import signals
+from jaxckpt.errors import UsageError
 
 FLAGS = flags.FLAGS
-config_flags.DEFINE_config_file('config', None, 'Path to a config file (configs/*.py).',
-                                lock_config=True)
+cli_support.define_config_file('config', 'Path to a config file (configs/*.py).')
 flags.DEFINE_string('workdir', None, 'Directory of the run: checkpoints, logs, exports.')
 flags.DEFINE_string('resume', None, "latest (default) | none | PATH of a step_<n> directory "
                     'or of a step_NNNNNN.bin. Default: $JAXCKPT_RESUME, else latest.')
@@ -45,9 +46,14 @@ FLAG_FIELDS = {
 }
 
 
-def main(argv):
+def main(argv, watcher: signals.PreemptionWatcher | None = None):
+  return cli_support.run_reporting_errors(lambda: train_from_flags(argv, watcher))
+
+
+def train_from_flags(argv, watcher: signals.PreemptionWatcher | None = None) -> None:
   if len(argv) > 1:
-    raise app.UsageError(f'unexpected arguments: {" ".join(argv[1:])}')
+    raise UsageError('E-USAGE-004', f'unexpected argument(s): {" ".join(argv[1:])}',
+                     'every input is a flag (--name=value): see --help')
   config = FLAGS.config
   with config.unlocked():
     for flag, field in FLAG_FIELDS.items():
@@ -55,20 +61,15 @@ def main(argv):
         section, name = field.split('.')
         config[section][name] = FLAGS[flag].value
   provenance = identity.provenance(config, config_flags.get_config_filename(FLAGS['config']),
-                                   sys.argv[1:], FLAG_FIELDS)
+                                   flagged=identity.flagged_fields(FLAGS, FLAG_FIELDS))
   resume = FLAGS.resume or os.environ.get('JAXCKPT_RESUME') or 'latest'
   from jaxckpt import train  # after flag parsing: jax is slow to import
-  from jaxckpt.checkpoint import signals
-
-  def run():
-    try:
-      train.train_and_evaluate(config, FLAGS.workdir, resume=resume, provenance=provenance)
-    except signals.Interrupted as e:
-      signals.report_and_exit(e)
-
-  return cli_support.run_reporting_errors(run)
+  train.train_and_evaluate(config, FLAGS.workdir, resume=resume, provenance=provenance,
+                           watcher=watcher)
 
 
 if __name__ == '__main__':
+  # First, before the slow imports: from here to exit a signal is a flag, never a kill.
+  watcher = signals.PreemptionWatcher().install_until_exit()
   cli_support.configure_logging()
-  app.run(main, flags_parser=cli_support.parse_flags_or_exit)
+  app.run(functools.partial(main, watcher=watcher), flags_parser=cli_support.parse_flags_or_exit)

@@ -1,14 +1,17 @@
 """Preemption signals against the real trainer process: exit codes, checkpoints, records."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from conftest import REPO, committed_steps, read_events, subprocess_env, wait_for
+from jaxckpt.checkpoint import signals
 from jaxckpt.runlog import read_loss_history
 
 STEPS = 400
@@ -136,3 +139,159 @@ def test_second_signal(first, second, code, survives):
   assert r.stdout.startswith(f'stop requested by {first}')
   assert ('still running' in r.stdout) == survives
   assert ('exiting now without a checkpoint' in r.stderr) != survives
+
+
+def take_with_a_sigusr1_before_opcode(k: int) -> tuple[bool, bool, int]:
+  """`take_save_request()` with SIGUSR1's handler run just before its k-th bytecode, as Python
+  may run it; then a second call. Returns both answers and the bytecodes the first one ran."""
+  w = signals.PreemptionWatcher()
+  code, ran = signals.PreemptionWatcher.take_save_request.__code__, 0
+
+  def each_opcode(frame, event, arg):
+    nonlocal ran
+    if event == 'opcode':
+      if ran == k:
+        w._handle(signal.SIGUSR1, None)  # pylint: disable=protected-access
+      ran += 1
+    return each_opcode
+
+  def trace(frame, event, arg):
+    if frame.f_code is not code:
+      return None
+    frame.f_trace_opcodes = True
+    return each_opcode
+
+  previous = sys.gettrace()
+  sys.settrace(trace)
+  try:
+    first = w.take_save_request()
+  finally:
+    sys.settrace(previous)
+  return first, w.take_save_request(), ran
+
+
+def test_a_sigusr1_between_any_two_bytecodes_is_not_lost():
+  """A True answer means a save after the signal; so wherever the handler runs, this call or
+  the next must answer True, and then nothing is left over."""
+  k, ran = 0, 1
+  while k < ran:
+    first, second, ran = take_with_a_sigusr1_before_opcode(k)
+    assert first or second, f'the SIGUSR1 delivered before bytecode {k} was lost'
+    k += 1
+  assert k > 5  # the tracer saw the method's bytecodes
+
+
+def test_sigusr1s_between_two_polls_ask_for_one_save():
+  with signals.PreemptionWatcher() as w:
+    assert not w.take_save_request()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.01)  # the handler runs at the next bytecode; this only gives it a few
+    assert w.take_save_request() and not w.take_save_request()
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.01)
+    assert w.take_save_request() and w.stop_signal is None
+
+
+GATED = textwrap.dedent('''
+    """The tiny config; the first load waits for GO, with READY saying whether jax is loaded."""
+    import pathlib, sys, time
+    from configs import tiny
+
+    def get_config():
+      ready, go = pathlib.Path({ready!r}), pathlib.Path({go!r})
+      if not go.exists():
+        ready.write_text('jax imported' if 'jax' in sys.modules else 'no jax yet')
+        while not go.exists():
+          time.sleep(0.05)
+      return tiny.get_config()
+''')
+
+
+def start_held_in_flag_parsing(trainer, tmp_path):
+  """Start the trainer on a config whose loading (during absl flag parsing) waits for `go`."""
+  ready, go = tmp_path / 'ready', tmp_path / 'go'
+  config = tmp_path / 'gated.py'
+  config.write_text(GATED.format(ready=str(ready), go=str(go)))
+  proc = trainer.start(tmp_path / 'run', f'--config={config}', *FLAGS)
+  wait_for(ready.exists, proc, every=0.05)
+  assert ready.read_text() == 'no jax yet'
+  return proc, go
+
+
+def pending(pid: int, signum: int) -> bool:
+  """The signal is sent but not yet delivered (/proc/PID/status: SigPnd, ShdPnd)."""
+  fields = dict(line.split(':', 1) for line in open(f'/proc/{pid}/status').read().splitlines())
+  return any(int(fields[f], 16) >> (signum - 1) & 1 for f in ('SigPnd', 'ShdPnd'))
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_while_importing_stops_before_the_first_step(trainer, tmp_path, signum):
+  """The README's start-up corner case, for a signal that comes before jax is even imported."""
+  proc, go = start_held_in_flag_parsing(trainer, tmp_path)
+  try:
+    proc.send_signal(signum)
+    wait_for(lambda: not pending(proc.pid, signum), proc, every=0.05)
+    go.touch()
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    proc.kill()
+  name, workdir = signal.Signals(signum).name, tmp_path / 'run'
+  assert proc.returncode == 128 + signum, out
+  assert 'Traceback' not in out
+  assert out.strip().splitlines()[-1] == f'jaxckpt: interrupted by {name} at step 0'
+  assert status(workdir)['state'] == 'interrupted' and status(workdir)['step'] == 0
+  assert committed_steps(workdir) == [] and not (workdir / 'loss.jsonl').exists()
+
+
+def test_second_sigterm_while_importing_exits_at_once(trainer, tmp_path):
+  proc, go = start_held_in_flag_parsing(trainer, tmp_path)
+  try:
+    proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: not pending(proc.pid, signal.SIGTERM), proc, every=0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)  # `go` never comes: only the exit ends the wait
+  finally:
+    proc.kill()
+  assert proc.returncode == 143, out
+  assert out.strip().splitlines()[-1] == ('jaxckpt: second SIGTERM: exiting now without a '
+                                          'checkpoint')
+  assert not go.exists() and not (tmp_path / 'run' / 'checkpoints').exists()
+
+
+def freeze_once_finished(proc, workdir) -> bool:
+  """SIGSTOP the trainer once events.jsonl records `finished`; False if it had exited."""
+  events = workdir / 'events.jsonl'
+  while not (events.exists() and '"event":"finished"' in events.read_text()):
+    if proc.poll() is not None:
+      raise AssertionError(f'trainer exited ({proc.returncode}) unfinished:\n{proc.stdout.read()}')
+    time.sleep(0.05)
+  os.kill(proc.pid, signal.SIGSTOP)
+  while proc.poll() is None:
+    if open(f'/proc/{proc.pid}/stat').read().rsplit(')', 1)[1].split()[0] in 'Tt':
+      return True
+    time.sleep(0.05)
+  return False
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
+def test_signal_after_the_last_step_leaves_the_run_finished(trainer, tmp_path, signum):
+  """The README's last corner case: exit 0 and `finished`, however late the signal comes."""
+  for attempt in range(3):  # caught alive after its last event: nearly always the first time
+    workdir = tmp_path / f'run{attempt}'
+    proc = trainer.start(workdir, '--config.train.steps=10', '--checkpoint_every=5')
+    try:
+      caught = freeze_once_finished(proc, workdir)
+      if caught:
+        proc.send_signal(signum)  # delivered on SIGCONT
+    finally:
+      if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+    out, _ = proc.communicate(timeout=120)
+    if caught:
+      break
+  else:
+    pytest.fail('the trainer always exited before it could be stopped after its last step')
+  assert proc.returncode == 0, out
+  assert 'Traceback' not in out and 'jaxckpt: ' not in out
+  assert status(workdir)['state'] == 'finished' and committed_steps(workdir) == [5, 10]

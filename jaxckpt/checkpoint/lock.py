@@ -23,7 +23,8 @@ LOCK = 'LOCK'
 
 
 class WorkdirLock:
-  """`with WorkdirLock(workdir) as lock:` — raises `UsageError` E-LOCK-001 when already held."""
+  """`with WorkdirLock(workdir) as lock:` — raises `UsageError` E-LOCK-001 when already held,
+  E-USAGE-005 when `workdir` is not a directory and cannot be made one."""
 
   def __init__(self, workdir: str | os.PathLike):
     self.path = Path(workdir) / LOCK
@@ -31,8 +32,15 @@ class WorkdirLock:
     self._fd: int | None = None
 
   def acquire(self) -> 'WorkdirLock':
-    self.path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    workdir = self.path.parent
+    try:
+      workdir.mkdir(parents=True, exist_ok=True)
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # the first thing a run writes: a bad --workdir shows here
+      what = 'is not a directory' if workdir.exists() and not workdir.is_dir() else (
+          f'cannot be created or written: {e.strerror or e}')
+      raise UsageError('E-USAGE-005', f'the workdir {workdir} {what}',
+                       'pass a --workdir that is a directory, or that can be created') from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
