@@ -121,7 +121,9 @@ class Evaluator:
     try:
       flat, _ = self.mgr.restore(path, target, only=_is_params)
       from_file = identity.read_excluded(path, meta)
-    except Exception as e:  # pylint: disable=broad-except
+    # What reading files that vanish can raise: jaxckpt's own errors, the OS's, and tensorstore's
+    # (ValueError, for an orbax checkpoint). Anything else is a bug, raised whatever happened.
+    except (JaxckptError, OSError, ValueError) as e:
       if not path.exists():  # retention renames before it deletes: gone, not damaged
         self.warn(f'jaxckpt: step {step}: {path} was deleted (retention) before it could be '
                   'evaluated; skipped')
@@ -201,11 +203,23 @@ def _build_trainer(config):
   """A trainer on this machine's devices: the run's mesh when it fits, else one device."""
   import jax
   from jaxckpt import train
-  try:
+  if _mesh_fits_here(config):
     return train.build_trainer(config)
-  except ConfigError:  # written on more devices (or another mesh) than this process has
-    config.mesh.data, config.mesh.model = 1, 1
-    return train.build_trainer(config, devices=jax.devices()[:1])
+  config.mesh.data, config.mesh.model = 1, 1
+  return train.build_trainer(config, devices=jax.devices()[:1])
+
+
+def _mesh_fits_here(config) -> bool:
+  """Whether the run's mesh can be made from this process's devices and splits its model and
+  batch evenly: false for a run written on more devices than this process has, or whose `-1`
+  axis spans more devices here than its batch or model splits over."""
+  from jaxckpt import sharding
+  try:
+    sharding.check_divisible(config.model, config.train.batch_size,
+                             sharding.make_mesh(config.mesh))
+  except ConfigError:  # E-CONFIG-002 or -003, the only errors of these two checks
+    return False
+  return True
 
 
 class _EvaluatorLock:

@@ -6,10 +6,14 @@
     jaxckpt verify runs/tiny/checkpoints/step_00000300 --no-checksums
 
 `inspect` reads manifest.json and nothing else: no array is loaded and jax is not imported (so it
-answers in well under a second for any size of model). `verify` checks every file of a checkpoint
-against the manifest (size and CRC-32) and the manifest against its own checksum; it exits 0 when
-everything is intact and 1 otherwise. `latest_intact` is what `--resume=latest` uses: the newest
-committed checkpoint that passes, with the newer ones it had to pass over.
+answers in well under a second for any size of model); a manifest that does not match its own
+checksum is printed with a warning. `verify` checks every file of a checkpoint against the
+manifest (size and CRC-32) and the manifest against its own checksum; it exits 0 when everything
+is intact and 1 otherwise. It may read a run that is still training: a checkpoint being written
+is skipped, and one that the writer removes or replaces while it is read is looked at again, never
+failed (only damage of a checkpoint that stays put fails). `latest_intact` is what
+`--resume=latest` uses: the newest committed checkpoint that passes, with the newer ones it had to
+pass over.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 from jaxckpt.checkpoint import layout, manifest
 from jaxckpt.errors import CheckpointError, ResumeError, UsageError
@@ -86,9 +91,31 @@ def read_manifest(step_dir: Path) -> dict[str, Any]:
   return manifest.read(step_dir)
 
 
-def describe(step_dir: Path, m: Mapping[str, Any]) -> dict[str, Any]:
-  """The manifest, plus: its path, each tensor's `trainable`, each parameter's flat offset."""
+def read_manifest_bytes(step_dir: Path) -> tuple[bytes, dict[str, Any]]:
+  """(manifest.json's bytes, the manifest they hold), from one read; E-CKPT-010 when the
+  checkpoint was removed (a live run's retention) since it was found."""
+  path = step_dir / MANIFEST
+  try:
+    raw = path.read_bytes()
+  except OSError as e:
+    if not step_dir.exists():
+      raise UsageError(NOT_A_CHECKPOINT, f'{step_dir} was removed while it was being read (a live '
+                       'run deletes its older checkpoints after each commit)',
+                       'pass a newer checkpoint of the run') from e
+    raise CheckpointError('E-CKPT-004', f'cannot read {path}: {e}',
+                          'the file is missing or corrupt; run `jaxckpt verify` on it') from e
+  return raw, manifest.parse(step_dir, raw)
+
+
+def describe(step_dir: Path, m: Mapping[str, Any], raw: bytes | None = None) -> dict[str, Any]:
+  """The manifest, plus: its path, each tensor's `trainable`, each parameter's flat offset, and
+  with `raw` (the manifest's bytes) whether it matches its own checksum (`manifest_seal`: ok,
+  absent (written before seals) or mismatch, with the problem in `warnings`)."""
   out = {'path': str(step_dir), **m}
+  if raw is not None:
+    problem = manifest.check_seal(raw, m)
+    out['manifest_seal'] = 'mismatch' if problem else 'ok' if manifest.SEAL in m else 'absent'
+    out['warnings'] = [problem] if problem else []
   params = m.get('parameters')
   trainable = {}
   if params is not None:
@@ -128,9 +155,16 @@ def _shape(shape) -> str:
   return '(' + ', '.join(str(d) for d in shape) + (',)' if len(shape) == 1 else ')')
 
 
+def _warning(problem: str) -> str:
+  return (f'WARNING: {problem}: the manifest was changed after it was written, so what it says '
+          'may be wrong (`jaxckpt verify` fails this checkpoint)')
+
+
 def render(d: Mapping[str, Any]) -> str:
   """The human-readable form of `describe(...)`."""
-  lines = [f'checkpoint  {d["path"]}',
+  # A damaged manifest's warning opens and closes the output: it must not scroll out of sight.
+  warnings = [_warning(w) for w in d.get('warnings') or []]
+  lines = warnings + [f'checkpoint  {d["path"]}',
            f'step        {d.get("step")}' + ('  (finished: the run\'s last step)'
                                              if d.get('finished') else '')]
   if d.get('committed_at') is not None:
@@ -189,6 +223,8 @@ def render(d: Mapping[str, Any]) -> str:
   files = d.get('files') or {}
   lines += ['', f'files ({len(files)}, {sum(f["size"] for f in files.values()):,} bytes; '
             '`jaxckpt verify` checks them)']
+  if warnings:
+    lines += ['', *warnings]
   return '\n'.join(lines)
 
 
@@ -200,7 +236,9 @@ def inspect_main(argv: list[str]) -> int:
   parser.add_argument('--json', action='store_true', help='one JSON object, for scripts')
   args = parser.parse_args(argv)
   step_dir = checkpoint_dir(args.checkpoint)
-  d = describe(step_dir, read_manifest(step_dir))
+  raw, m = read_manifest_bytes(step_dir)
+  d = describe(step_dir, m, raw)
+  # Exit 0 even with a seal warning: inspect shows what a manifest says; verify judges it.
   print(json.dumps(d, indent=1) if args.json else render(d))
   return 0
 
@@ -216,6 +254,88 @@ def _step_dirs(root: Path) -> tuple[dict[int, Path], list[Path]]:
   committed = layout.committed_steps(root)
   uncommitted = [p for p in layout.debris(root) if layout.parse_step(p.name) is not None]
   return committed, uncommitted
+
+
+# What a reader of a live run finds, besides OK and FAIL (each printed as SKIP).
+UNCOMMITTED, REMOVED, CHANGING = 'uncommitted', 'removed', 'changing'
+_WHY = {
+    UNCOMMITTED: 'not committed (no manifest.json): being written, or an interrupted save or a '
+                 'lost manifest; never resumed from',
+    REMOVED: 'removed while it was being verified, by a live writer (retention deletes older '
+             'checkpoints after each commit): not damage',
+    CHANGING: 'replaced by a live writer each time it was read; not checked, verify it again',
+}
+_LOOKS = 3  # reads of one checkpoint that keeps changing under the reader
+
+
+def _identity(step_dir: Path) -> tuple | None:
+  """What tells the checkpoint now under this name from another one; None once the name is gone.
+
+  The directory's inode and ctime (a rename, or a file added or removed inside, changes it) and
+  its manifest's inode, mtime and size (None: not committed).
+  """
+  try:
+    d = os.stat(step_dir)
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+  try:
+    m = os.stat(step_dir / MANIFEST)
+    committed = (m.st_ino, m.st_mtime_ns, m.st_size)
+  except (FileNotFoundError, NotADirectoryError):
+    committed = None
+  return d.st_ino, d.st_ctime_ns, committed
+
+
+def check_live(step_dir: Path, *, checksums: bool = True) -> tuple[str, list[str]]:
+  """(status, lines) of one checkpoint of a run that may be writing and deleting meanwhile.
+
+  'OK' (no lines), 'FAIL' (its problems), or UNCOMMITTED, REMOVED or CHANGING (one line: why).
+  Problems found while the directory changed under the reader (retention renamed it away, a
+  resumed run swapped a new checkpoint in) are not damage: it is looked at again. Only a
+  checkpoint that stayed put while it was read can fail.
+  """
+  for _ in range(_LOOKS):
+    before = _identity(step_dir)
+    if before is None:
+      return REMOVED, [_WHY[REMOVED]]
+    if before[2] is None:
+      return UNCOMMITTED, [_WHY[UNCOMMITTED]]
+    problems = check(step_dir, checksums=checksums)
+    if _identity(step_dir) == before:
+      return ('FAIL', problems) if problems else ('OK', [])
+  return CHANGING, [_WHY[CHANGING]]
+
+
+def scan(root: Path, *, checksums: bool = True,
+         rounds: int = 3) -> Iterator[tuple[str, Path, list[str]]]:
+  """`check_live` of every checkpoint under a checkpoints directory, each as it is checked.
+
+  When one was removed while it was read (a newer one committed meanwhile) or nothing was found
+  (a listing that raced a commit), the directory is listed again, up to `rounds` times, and the
+  checkpoints not checked yet are checked. Step directories without a manifest come last, after
+  a last look: checked if they were committed since, else UNCOMMITTED.
+  """
+  done: set[Path] = set()
+  waiting: set[Path] = set()
+  for _ in range(rounds):
+    committed, uncommitted = _step_dirs(root)
+    waiting.update(uncommitted)
+    again = not committed and not uncommitted
+    for path in committed.values():
+      if path in done:
+        continue
+      status, lines = check_live(path, checksums=checksums)
+      if status == UNCOMMITTED:  # its manifest went away after the listing: see below
+        waiting.add(path)
+        continue
+      done.add(path)
+      again = again or status in (REMOVED, CHANGING)
+      yield status, path, lines
+    if not again:
+      break
+  for path in sorted(waiting - done):
+    status, lines = check_live(path, checksums=checksums)
+    yield status, path, lines
 
 
 def latest_intact(ckpt_dir: str | Path, *, checksums: bool = True,
@@ -298,34 +418,32 @@ def verify_main(argv: list[str]) -> int:
     raise UsageError(NOT_A_CHECKPOINT, f'{path} does not exist' if not path.exists() else
                      f'{path} is a file, not a checkpoint or run directory',
                      'pass a checkpoints/step_<n> directory or a run directory')
-  uncommitted: list[Path] = []
-  if (path / MANIFEST).is_file():
-    targets = [path]
+  named = (path / MANIFEST).is_file()
+  if named:
+    status, lines = check_live(path, checksums=args.checksums)
+    results = [(status, path, lines)]
   elif layout.parse_step(path.name) is not None or any(m in path.name for m in _DEBRIS_MARKS):
-    print(f'FAIL {path}: not a committed checkpoint: no manifest.json (an interrupted save, '
-          'or its manifest was lost)')
-    return 1
+    named, results = True, [(UNCOMMITTED, path, [_WHY[UNCOMMITTED]])]
   else:
     root = path / 'checkpoints' if (path / 'checkpoints').is_dir() else path
-    committed, uncommitted = _step_dirs(root)
-    targets = list(committed.values())
-    if not targets and not uncommitted:
-      raise UsageError(NOT_A_CHECKPOINT, f'{path} holds no checkpoint (looked in {root})',
-                       'pass a checkpoints/step_<n> directory or a run directory')
-  bad = 0
-  for target in targets:
-    problems = check(target, checksums=args.checksums)
-    if problems:
-      bad += 1
-      for problem in problems:
-        print(f'FAIL {target}: {problem}')
-    else:
+    results = scan(root, checksums=args.checksums)
+  seen, bad = 0, 0
+  for status, target, lines in results:
+    seen += 1
+    if named and status == REMOVED:  # what was named is gone: nothing to verify, nor damaged
+      raise UsageError(NOT_A_CHECKPOINT, f'{target} was removed while it was being verified (a '
+                       'live run deletes its older checkpoints after each commit): not damage',
+                       'verify the run directory to check the checkpoints it has now')
+    if status == 'OK':
       print(f'OK {target}' + ('' if args.checksums else ' (sizes only)'))
-  for p in uncommitted:
-    print(f'SKIP {p}: not committed (no manifest.json): an interrupted save or a lost manifest; '
-          'never resumed from, removed by the next writer')
-  if not targets:
-    print(f'FAIL {path}: no committed checkpoint')
-    return 1
+      continue
+    # In a run, a checkpoint being written or removed is a SKIP; named directly, what cannot be
+    # checked fails.
+    failed = status == 'FAIL' or named
+    bad += failed
+    for line in lines:
+      print(f'{"FAIL" if failed else "SKIP"} {target}: {line}')
+  if not seen:
+    raise UsageError(NOT_A_CHECKPOINT, f'{path} holds no checkpoint (looked in {root})',
+                     'pass a checkpoints/step_<n> directory or a run directory')
   return 1 if bad else 0
-

@@ -74,8 +74,12 @@ def committed_steps(workdir) -> list[int]:
                 and (p / 'manifest.json').is_file())
 
 
-def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-  """Poll until `predicate()` holds; fail if the process ends first or time runs out."""
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300.0,
+             every: float = 0.05) -> None:
+  """Poll until `predicate()` holds; fail if the process ends first or time runs out.
+
+  Every 50 ms: a tighter poll competes with the trainer for the machine's 2 cores.
+  """
   deadline = time.monotonic() + timeout
   while not predicate():
     if proc.poll() is not None:
@@ -83,7 +87,7 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300.0) -> None:
     if time.monotonic() > deadline:
       proc.kill()
       raise AssertionError('timed out waiting for the trainer')
-    time.sleep(0.005)
+    time.sleep(every)
 
 
 def read_arrays(step_dir) -> dict[str, np.ndarray]:
@@ -108,3 +112,23 @@ def assert_same_bytes(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> Non
 def read_events(workdir) -> list[dict]:
   from jaxckpt.runlog import read_jsonl
   return read_jsonl(Path(workdir) / 'events.jsonl')
+
+
+def flip_a_data_byte(step_dir) -> None:
+  """Damage a raw-store checkpoint the way a bad disk would: same size, one bit different."""
+  with open(Path(step_dir) / 'state' / 'arrays.bin', 'r+b') as f:
+    f.seek(5000)
+    byte = f.read(1)
+    f.seek(5000)
+    f.write(bytes([byte[0] ^ 0x10]))
+
+
+def call_cli(argv, capsys):
+  """(exit code, stdout, stderr) of a `jaxckpt` subcommand, run in-process as the command runs it."""
+  from jaxckpt import cli
+  try:
+    code = cli.main(argv)
+  except SystemExit as e:
+    code = e.code
+  out = capsys.readouterr()
+  return code, out.out, out.err

@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from conftest import REPO, committed_steps, subprocess_env
 from jaxckpt import cli, evaluate, identity
 from jaxckpt.checkpoint import CheckpointManager, layout, manifest
+from jaxckpt.errors import ConfigError
 
 STEPS, EVERY = 60, 10
 
@@ -71,7 +72,9 @@ def test_restoring_the_params_needs_no_optimizer_bytes(mesh, tmp_path):
   restored, _ = mgr.restore(1, {'params': abstract(state['params'])}, only=is_params)
   assert np.asarray(restored['params']['w']).tobytes() == \
       np.asarray(state['params']['w']).tobytes()
-  with pytest.raises(Exception):  # the whole state does need them
+  # The whole state does need them. The raw store looks each wanted tensor up in its index: a
+  # manifest listing tensors the index lacks (only a hand edit, re-sealed, makes one) fails there.
+  with pytest.raises(KeyError, match="'opt_state/"):
     mgr.restore(1, abstract(state))
 
 
@@ -206,3 +209,59 @@ def test_a_mesh_that_does_not_fit_here_falls_back_to_one_device():
   config.mesh.data, config.mesh.model = 4, 4  # written on 16 devices; this process has 8
   trainer = evaluate._build_trainer(config)
   assert trainer.mesh.size == 1
+  config = identity.load_config_file(REPO / 'configs' / 'tiny.py')
+  config.train.batch_size = 4  # written on 4 devices with mesh.data=-1: here all 8, 4 % 8 != 0
+  assert evaluate._build_trainer(config).mesh.size == 1
+
+
+def test_any_other_config_error_is_raised_not_retried_on_one_device(monkeypatch):
+  from jaxckpt import train
+  def refuse(train_cfg):
+    raise ConfigError('E-CONFIG-001', 'train.b1=2.0 must be below 1', 'set --config.train.b1')
+  monkeypatch.setattr(train, 'make_optimizer', refuse)
+  config = identity.load_config_file(REPO / 'configs' / 'tiny.py')
+  config.mesh.data, config.mesh.model = 4, 2  # fits this process's 8 devices
+  with pytest.raises(ConfigError, match='E-CONFIG-001: train.b1'):
+    evaluate._build_trainer(config)
+  assert (config.mesh.data, config.mesh.model) == (4, 2)  # not rewritten for a fallback
+
+
+@pytest.fixture
+def one_pending(followed, tmp_path):
+  """An evaluator of a copy of the followed run's last checkpoint, and that checkpoint."""
+  workdir, _ = followed
+  name = layout.step_dirname(STEPS)
+  shutil.copytree(workdir / 'checkpoints' / name, tmp_path / 'checkpoints' / name)
+  warnings = []
+  ev = evaluate.Evaluator(tmp_path, log=lambda s: None, warn=warnings.append)
+  [(step, path, meta)] = ev.pending()
+  return ev, warnings, (step, path, meta)
+
+
+def test_a_checkpoint_retention_deletes_while_it_is_evaluated_is_skipped(one_pending,
+                                                                        monkeypatch):
+  ev, warnings, (step, path, meta) = one_pending
+  real, gone = manifest.crc32_file, []
+  def retire_then_read(file, **kw):  # retention renames the checkpoint away, then deletes it
+    if not gone:
+      gone.append(layout.deleting_dir(path.parent, step))
+      path.rename(gone[0])
+      shutil.rmtree(gone[0])
+    return real(file, **kw)
+  monkeypatch.setattr(manifest, 'crc32_file', retire_then_read)
+  assert ev.evaluate(step, path, meta) is None and gone
+  assert len(warnings) == 1 and 'was deleted (retention) before it could be evaluated' in \
+      warnings[0]
+  assert evaluate.read_results(ev.workdir) == {}
+
+
+def test_a_bug_while_evaluating_is_raised_even_if_the_checkpoint_vanished(one_pending,
+                                                                        monkeypatch):
+  ev, warnings, (step, path, meta) = one_pending
+  def vanish_then_fail(step_dir, manifest):
+    shutil.rmtree(step_dir)
+    raise TypeError('a bug in the reader')  # not the deletion's doing: it must surface
+  monkeypatch.setattr(identity, 'read_excluded', vanish_then_fail)
+  with pytest.raises(TypeError, match='a bug in the reader'):
+    ev.evaluate(step, path, meta)
+  assert not warnings

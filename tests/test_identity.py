@@ -1,7 +1,9 @@
 """Identity of a checkpoint and the resume check: every refusal from a real changed config."""
 
 import hashlib
+import importlib.metadata
 import json
+import platform
 from pathlib import Path
 
 import jax
@@ -136,12 +138,35 @@ def test_optimizer_table_names_the_states_of_each_parameter(saved):
   assert set(table) - {identity.GLOBAL_STATES} == set(model_lib.parameter_names(tiny().model))
 
 
+def test_a_config_without_a_gpt_model_gets_tree_order():
+  params = {'b': jax.ShapeDtypeStruct((2,), 'float32'), 'a': jax.ShapeDtypeStruct((3,), 'float32')}
+  for config in (ml_collections.ConfigDict({'seed': 1}), {'seed': 1},
+                 ml_collections.ConfigDict({'model': {'width': 8}})):
+    rows = identity.build(config=config, params=params, opt_state=(), mesh_shape={}, devices=1,
+                          knobs={}, sources={}, versions={})['parameters']
+    assert [r['path'] for r in rows] == ['a', 'b']
+
+
+def test_a_bug_inside_parameter_names_is_raised_not_taken_for_another_model(monkeypatch):
+  monkeypatch.setattr(model_lib, 'parameter_names', lambda model_cfg: model_cfg.n_layers)  # typo
+  with pytest.raises(AttributeError, match='n_layers'):
+    ident(tiny())
+
+
 def test_build_records_where_and_what(saved):
   for key in ('config', 'knobs', 'sources', 'parameters', 'optimizer', 'counters', 'seed', 'mesh',
               'devices', 'processes', 'versions', 'finished'):
     assert key in saved
   assert saved['devices'] == 8 and saved['mesh'] == {'data': 8, 'model': 1}
-  assert saved['versions'] == train.versions()
+  # What the README promises, read here from the packages themselves, not from train.versions().
+  import flax, jaxlib, numpy, orbax.checkpoint
+  import jaxckpt
+  assert saved['versions'] == {
+      'jaxckpt': jaxckpt.__version__, 'python': platform.python_version(),
+      'jax': jax.__version__, 'jaxlib': jaxlib.__version__, 'flax': flax.__version__,
+      'optax': optax.__version__, 'orbax-checkpoint': orbax.checkpoint.__version__,
+      'tensorstore': importlib.metadata.version('tensorstore'),  # it has no __version__
+      'numpy': numpy.__version__}
   assert json.loads(json.dumps(saved)) == saved
 
 

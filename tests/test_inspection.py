@@ -11,8 +11,8 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import REPO, subprocess_env
-from jaxckpt import cli, identity, inspection, model as model_lib, train
+from conftest import REPO, call_cli, subprocess_env
+from jaxckpt import identity, inspection, model as model_lib, train
 from jaxckpt.checkpoint import CheckpointManager, layout, manifest
 from jaxckpt.checkpoint.manager import avals, named_leaves, tensor_table
 from jaxckpt.errors import CheckpointError, ResumeError
@@ -31,34 +31,40 @@ def run(trainer, tmp_path_factory):
 
 @pytest.fixture(scope='module')
 def pristine(run, tmp_path_factory):
-  """A copy of the run whose manifests carry their own checksum.
-
-  The writer seals manifests once `CheckpointManager._write` writes `manifest.sealed_json(...)`;
-  until then this copy is sealed here, as the writer would have.
-  """
+  """A copy of the run's checkpoints, exactly as the trainer wrote them (manifests sealed)."""
   workdir = tmp_path_factory.mktemp('pristine') / 'run'
   shutil.copytree(run / 'checkpoints', workdir / 'checkpoints')
-  for step_dir in layout.committed_steps(workdir / 'checkpoints').values():
-    m = manifest.read(step_dir)
-    if manifest.SEAL not in m:
-      layout.write_file_durably(step_dir / layout.MANIFEST, manifest.sealed_json(m))
   return workdir
 
 
-def call(argv, capsys):
-  """(exit code, stdout, stderr) of a subcommand run like `jaxckpt` runs it."""
-  try:
-    code = cli.main(argv)
-  except SystemExit as e:
-    code = e.code
-  out = capsys.readouterr()
-  return code, out.out, out.err
+def test_the_writer_seals_every_manifest(pristine):
+  """No test re-seals what the trainer wrote: a writer that stopped sealing fails here."""
+  for step_dir in layout.committed_steps(pristine / 'checkpoints').values():
+    raw = (step_dir / layout.MANIFEST).read_bytes()
+    m = manifest.parse(step_dir, raw)
+    assert manifest.SEAL in m and manifest.check_seal(raw, m) is None
+    assert raw == manifest.sealed_json(m)
+
+
+def tamper(step_dir: Path) -> str:
+  """Change manifest.json's bytes but not what they say (one more space), as a stray edit
+  would; returns the seal problem `jaxckpt verify` reports for it."""
+  path = step_dir / layout.MANIFEST
+  raw = path.read_bytes()
+  path.write_bytes(raw.replace(b'"step": ', b'"step":  ', 1))
+  m = manifest.parse(step_dir, path.read_bytes())
+  assert m == manifest.parse(step_dir, raw)
+  problem = manifest.check_seal(path.read_bytes(), m)
+  assert problem and 'checksum mismatch' in problem
+  return problem
+
+
 
 
 # ------------------------------------------------------------------------------- inspect
 def test_inspect_prints_identity_and_every_tensor(run, capsys):
   step_dir = run / 'checkpoints' / STEP_20
-  code, out, _ = call(['inspect', str(step_dir)], capsys)
+  code, out, _ = call_cli(['inspect', str(step_dir)], capsys)
   assert code == 0
   m = manifest.read(step_dir)
   assert f'checkpoint  {step_dir}' in out and 'step        20  (finished' in out
@@ -73,7 +79,7 @@ def test_inspect_prints_identity_and_every_tensor(run, capsys):
 
 def test_inspect_json(run, capsys):
   step_dir = run / 'checkpoints' / STEP_10
-  code, out, _ = call(['inspect', str(step_dir), '--json'], capsys)
+  code, out, _ = call_cli(['inspect', str(step_dir), '--json'], capsys)
   assert code == 0
   d = json.loads(out)
   m = manifest.read(step_dir)
@@ -156,36 +162,57 @@ def test_inspect_refuses_what_is_not_a_checkpoint(make, words, tmp_path, capsys)
     else:
       path.mkdir()
       (path / 'state').mkdir()
-  code, out, err = call(['inspect', str(path)], capsys)
+  code, out, err = call_cli(['inspect', str(path)], capsys)
   assert code == 2 and not out
   assert err.startswith('jaxckpt: E-CKPT-010: ') and words in err and err.count('\n') == 1
 
 
 def test_inspect_a_run_directory_points_at_its_newest_checkpoint(run, capsys):
-  code, _, err = call(['inspect', str(run)], capsys)
+  code, _, err = call_cli(['inspect', str(run)], capsys)
   assert code == 2 and f'did you mean {run / "checkpoints" / STEP_20}?' in err
+
+
+def test_inspect_warns_when_the_manifest_does_not_match_its_seal(pristine, tmp_path, capsys):
+  step_dir = tmp_path / STEP_10
+  shutil.copytree(pristine / 'checkpoints' / STEP_10, step_dir)
+  code, out, _ = call_cli(['inspect', str(step_dir)], capsys)
+  assert code == 0 and 'WARNING' not in out
+  assert json.loads(call_cli(['inspect', str(step_dir), '--json'], capsys)[1])['manifest_seal'] == 'ok'
+
+  problem = tamper(step_dir)
+  code, out, err = call_cli(['inspect', str(step_dir)], capsys)
+  lines = out.splitlines()
+  # Exit 0 (inspect shows; verify judges), the warning first and last so no scroll hides it.
+  assert code == 0 and not err
+  assert lines[0] == lines[-1] and lines[0].startswith(f'WARNING: {problem}: ')
+  assert lines[0].startswith('WARNING: manifest.json: checksum mismatch (crc32 ')
+  assert lines[1] == f'checkpoint  {step_dir}'
+  code, out, _ = call_cli(['inspect', str(step_dir), '--json'], capsys)
+  d = json.loads(out)
+  assert code == 0 and d['manifest_seal'] == 'mismatch' and d['warnings'] == [problem]
+  assert d['step'] == 10  # still everything the manifest says
 
 
 def test_inspect_a_damaged_manifest(pristine, tmp_path, capsys):
   step_dir = tmp_path / STEP_10
   shutil.copytree(pristine / 'checkpoints' / STEP_10, step_dir)
   (step_dir / 'manifest.json').write_text('{"format": "jaxckpt.checkpo')
-  code, _, err = call(['inspect', str(step_dir)], capsys)
+  code, _, err = call_cli(['inspect', str(step_dir)], capsys)
   assert code == 1 and err.startswith('jaxckpt: E-CKPT-004: ')
 
 
 def test_bad_usage_is_one_line_exit_2(capsys):
   for argv in (['inspect'], ['inspect', 'a', '--jsn'], ['verify'], ['verify', 'a', 'b']):
-    code, _, err = call(argv, capsys)
+    code, _, err = call_cli(argv, capsys)
     assert code == 2 and err.startswith('jaxckpt: E-USAGE-001: ') and err.count('\n') == 1
 
 
 # -------------------------------------------------------------------------------- verify
 def test_verify_an_intact_run_and_checkpoint(pristine, capsys):
-  code, out, _ = call(['verify', str(pristine)], capsys)
+  code, out, _ = call_cli(['verify', str(pristine)], capsys)
   assert code == 0
   assert out.splitlines() == [f'OK {pristine / "checkpoints" / s}' for s in (STEP_10, STEP_20)]
-  code, out, _ = call(['verify', str(pristine / 'checkpoints' / STEP_20),
+  code, out, _ = call_cli(['verify', str(pristine / 'checkpoints' / STEP_20),
                                  '--no-checksums'], capsys)
   assert code == 0 and out.startswith('OK ') and 'sizes only' in out
   assert inspection.latest_intact(pristine / 'checkpoints') == (
@@ -229,7 +256,7 @@ def test_corruption_matrix(pristine, tmp_path, capsys, kind, how):
   rel = _state_files(newest)[kind]
   _corrupt(newest / rel, how)
 
-  code, out, err = call(['verify', str(newest)], capsys)
+  code, out, err = call_cli(['verify', str(newest)], capsys)
   assert code == 1 and not err, err
   assert out.startswith(f'FAIL {newest}: ')
   if kind == 'manifest':
@@ -238,7 +265,7 @@ def test_corruption_matrix(pristine, tmp_path, capsys, kind, how):
     assert f'{rel}: ' in out and {'truncated': 'size', 'bit flipped': 'checksum mismatch',
                                   'deleted': 'missing'}[how] in out
 
-  code, out, _ = call(['verify', str(workdir)], capsys)
+  code, out, _ = call_cli(['verify', str(workdir)], capsys)
   assert f'OK {previous}' in out and str(newest) in out
   assert code == (0 if (kind, how) == ('manifest', 'deleted') else 1)  # see below
   if (kind, how) == ('manifest', 'deleted'):
@@ -252,16 +279,30 @@ def test_corruption_matrix(pristine, tmp_path, capsys, kind, how):
 
   with pytest.raises((CheckpointError, ResumeError)):
     inspection.verify_or_raise(newest)
-  with pytest.raises(CheckpointError):
-    CheckpointManager(root, writer=False).restore(newest, {})
+  # A target that the intact checkpoint restores into: the refusal is about the damage.
+  mgr = CheckpointManager(root, writer=False)
+  target = restore_target(pristine / 'checkpoints' / STEP_20)
+  mgr.restore(previous, target)
+  with pytest.raises(CheckpointError) as e:
+    mgr.restore(newest, target)
+  unreadable = kind == 'manifest' and e.value.code == 'E-CKPT-004'  # no longer parses, or gone
+  assert e.value.code == 'E-CKPT-003' or unreadable, e.value.line()
+  assert Path(rel).name in e.value.what  # it names the damaged file
+
+
+def restore_target(step_dir: Path) -> dict:
+  """Every tensor of a checkpoint as a restore target, on one device."""
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return {t['name']: jax.ShapeDtypeStruct(tuple(t['shape']), t['dtype'], sharding=one)
+          for t in manifest.read(step_dir)['tensors']}
 
 
 def test_sizes_only_verification_misses_a_flipped_bit(pristine, tmp_path, capsys):
   step_dir = tmp_path / STEP_20
   shutil.copytree(pristine / 'checkpoints' / STEP_20, step_dir)
   _corrupt(step_dir / _state_files(step_dir)['state data'], 'bit flipped')
-  assert call(['verify', str(step_dir), '--no-checksums'], capsys)[0] == 0
-  assert call(['verify', str(step_dir)], capsys)[0] == 1
+  assert call_cli(['verify', str(step_dir), '--no-checksums'], capsys)[0] == 0
+  assert call_cli(['verify', str(step_dir)], capsys)[0] == 1
   assert inspection.latest_intact(tmp_path, checksums=False)[0] == step_dir
   assert inspection.latest_intact(tmp_path)[0] is None
 
@@ -289,13 +330,30 @@ def test_a_manifest_naming_files_outside_is_reported_not_followed(pristine, tmp_
   shutil.copytree(pristine / 'checkpoints' / STEP_10, step_dir)
   m = manifest.read(step_dir)
   m['files']['../../outside'] = {'size': 1, 'crc32': '00000000'}
+  (step_dir / layout.MANIFEST).write_text(json.dumps(m))  # edited: its seal no longer matches
+  code, out, _ = call_cli(['verify', str(step_dir)], capsys)
+  assert code == 1 and 'manifest.json: checksum mismatch' in out and 'outside the checkpoint' in out
+  # Re-sealed, as a hostile writer could: the seal passes, and the path is still refused.
   (step_dir / layout.MANIFEST).write_bytes(manifest.sealed_json(m))
-  code, out, _ = call(['verify', str(step_dir)], capsys)
-  assert code == 1 and 'outside the checkpoint' in out
+  code, out, _ = call_cli(['verify', str(step_dir)], capsys)
+  assert code == 1 and out.splitlines() == [
+      f"FAIL {step_dir}: {step_dir}: manifest names a file outside the checkpoint: '../../outside'"]
+
+
+def test_the_manager_verifies_what_jaxckpt_verify_does(pristine, tmp_path, capsys):
+  root = tmp_path / 'checkpoints'
+  shutil.copytree(pristine / 'checkpoints', root)
+  mgr = CheckpointManager(root, writer=False)
+  assert mgr.verify(10) == mgr.verify(20) == []
+  problem = tamper(root / STEP_10)  # a manifest changed after its commit; every file intact
+  code, out, _ = call_cli(['verify', str(root / STEP_10)], capsys)
+  assert code == 1 and out.splitlines() == [f'FAIL {root / STEP_10}: {problem}']
+  assert mgr.verify(10) == inspection.check(root / STEP_10) == [problem]
+  assert mgr.verify(10, checksums=False) == [problem]  # the seal is checked even sizes-only
 
 
 def test_verify_refuses_what_is_not_a_checkpoint_or_run(tmp_path, capsys):
-  code, _, err = call(['verify', str(tmp_path / 'nowhere')], capsys)
+  code, _, err = call_cli(['verify', str(tmp_path / 'nowhere')], capsys)
   assert code == 2 and 'E-CKPT-010' in err and 'does not exist' in err
-  code, _, err = call(['verify', str(tmp_path)], capsys)
+  code, _, err = call_cli(['verify', str(tmp_path)], capsys)
   assert code == 2 and 'holds no checkpoint' in err

@@ -73,7 +73,25 @@ def build(step: int, files: Mapping[str, Any], tensors: Iterable[Mapping[str, An
 
 
 def read(step_dir: Path) -> dict[str, Any]:
-  m = layout.read_json(step_dir / layout.MANIFEST)
+  path = step_dir / layout.MANIFEST
+  try:
+    raw = path.read_bytes()
+  except OSError as e:
+    raise CheckpointError('E-CKPT-004', f'cannot read {path}: {e}', _UNREADABLE) from e
+  return parse(step_dir, raw)
+
+
+_UNREADABLE = 'the file is missing or corrupt; run `jaxckpt verify` on it'
+
+
+def parse(step_dir: Path, raw: bytes) -> dict[str, Any]:
+  """The manifest in `raw`, the bytes of `step_dir`'s manifest.json. A reader that checks the
+  seal parses the very bytes it checked: a second read could see a writer's newer file."""
+  try:
+    m = json.loads(raw)
+  except ValueError as e:
+    raise CheckpointError('E-CKPT-004', f'cannot read {step_dir / layout.MANIFEST}: {e}',
+                          _UNREADABLE) from e
   if not isinstance(m, dict) or m.get('format') != FORMAT:
     raise CheckpointError('E-CKPT-004', f'{step_dir}: manifest.json is not a jaxckpt manifest',
                           'point at a step_<n> directory written by jaxckpt')
@@ -101,9 +119,19 @@ def verify(step_dir: Path, manifest: Mapping[str, Any] | None = None, *,
       continue
     if size != want['size']:
       problems.append(f'{rel}: size {size}, manifest says {want["size"]}')
-    elif checksums and rel not in skip and (crc := crc32_file(path)[1]) != want['crc32']:
-      problems.append(f'{rel}: checksum mismatch (crc32 {crc}, manifest says {want["crc32"]})')
+    elif checksums and rel not in skip and (problem := _crc_problem(path, rel, want['crc32'])):
+      problems.append(problem)
   return problems
+
+
+def _crc_problem(path: Path, rel: str, want: str) -> str | None:
+  try:
+    crc = crc32_file(path)[1]
+  except FileNotFoundError:  # there when its size was read, gone now: reported, never raised
+    return f'{rel}: missing'
+  except OSError as e:
+    return f'{rel}: unreadable ({e.strerror or e})'
+  return None if crc == want else f'{rel}: checksum mismatch (crc32 {crc}, manifest says {want})'
 
 
 # The manifest's own checksum. The files table protects every other file; this protects the
@@ -156,7 +184,7 @@ def check(step_dir: Path, manifest: Mapping[str, Any] | None = None, *, checksum
     return None, [f'{layout.MANIFEST}: missing or unreadable ({e.strerror or e}): not a '
                   'committed checkpoint']
   try:
-    m = read(step_dir) if manifest is None else dict(manifest)
+    m = parse(step_dir, raw) if manifest is None else dict(manifest)
   except CheckpointError as e:
     return None, [e.what]
   problems = [p for p in (check_seal(raw, m),) if p]
