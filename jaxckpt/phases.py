@@ -41,7 +41,8 @@ def write_samples(workdir: Path, phase: int, step: int, texts: Sequence[str], ke
   rounds = old.get('rounds', []) if old.get('phase') == phase else []
   rounds = [r for r in rounds if r['step'] < step]  # a replayed step replaces its old round
   rounds.append({'step': step, 'samples': list(texts)})
-  layout.write_json_durably(path, {'phase': phase, 'rounds': rounds[-keep:]})
+  # keep=0 keeps none (`rounds[-0:]` would be all of them).
+  layout.write_json_durably(path, {'phase': phase, 'rounds': rounds[-keep:] if keep > 0 else []})
 
 
 def write_bandit_mirror(workdir: Path, step: int, snapshot: Mapping[str, Any]) -> None:
@@ -59,7 +60,12 @@ def pivot(workdir: str | os.PathLike) -> tuple[int, list[str]]:
     dest = workdir / ARCHIVE / f'phase-{ending}'
     if dest.exists():
       raise UsageError('E-PIVOT-002', f'{dest} already exists', 'move it away and pivot again')
-    dest.mkdir(parents=True)
+    dest.parent.mkdir(exist_ok=True)
+    dest.mkdir()
+    # The new directories' entries must be durable before files move into them: a crash could
+    # otherwise lose phase-<k> (and what was moved there) while the originals are already gone.
+    layout.fsync_dir(dest.parent)
+    layout.fsync_dir(workdir)
     archived = []
     for name in (SAMPLES, BANDIT):
       if (workdir / name).exists():

@@ -217,6 +217,9 @@ def validate_config(config) -> None:
   if m.dtype not in ('float32', 'bfloat16'):
     raise ConfigError('E-CONFIG-001', f'model.dtype={m.dtype!r} is not float32 or bfloat16',
                       'set --config.model.dtype')
+  if config.samples.keep < 0:
+    raise ConfigError('E-CONFIG-001', f'samples.keep={config.samples.keep} is negative',
+                      'set --config.samples.keep to the rounds to keep (0: none)')
   if len(config.samples.prompt.encode()) >= m.block_size:
     raise ConfigError('E-CONFIG-001', 'samples.prompt is as long as model.block_size',
                       'shorten --config.samples.prompt')
@@ -367,18 +370,20 @@ def evaluate(trainer: Trainer, params, dataset: data_lib.Dataset) -> float:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *,
-                       resume: str = 'latest', provenance: dict | None = None) -> TrainState:
+                       resume: str = 'latest', provenance: dict | None = None,
+                       watcher: signals.PreemptionWatcher | None = None) -> TrainState:
   """Train `config` in `workdir`, continuing the run there if there is one. Returns the state.
 
   `provenance` ({'knobs', 'sources'} from `jaxckpt.identity.provenance`) says where each config
-  value came from; it is recorded in every checkpoint's manifest.
+  value came from; it is recorded in every checkpoint's manifest. `watcher` is one `main`
+  installed at start-up, for the whole process; without it, signals are watched while this runs.
 
   Raises `signals.Interrupted` after checkpointing when a stop signal arrived (see
   `jaxckpt.checkpoint.signals`), and `JaxckptError`s for problems the user can fix.
   """
   validate_config(config)
   workdir = Path(workdir)
-  with signals.PreemptionWatcher() as watcher, WorkdirLock(workdir) as lock:
+  with watcher or signals.PreemptionWatcher() as watcher, WorkdirLock(workdir) as lock:
     ckpt_dir = workdir / 'checkpoints'
     resume_dir = find_resume_point(resume, ckpt_dir)
     dataset = data_lib.from_config(config)
@@ -392,6 +397,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
                    seconds_blocked=round(info.seconds_blocked, 6),
                    seconds_to_commit=round(info.seconds_to_commit, 6),
                    deleted=list(info.deleted))
+      if info.retention_errors:
+        runlog.event('retention_failed', step=info.step, problems=list(info.retention_errors))
       runlog.status(last_checkpoint=info.step, last_checkpoint_path=str(info.path))
       # From the host copy this checkpoint staged, on the save thread; the next save waits.
       # (`run` is bound below, before the first save.)
@@ -414,8 +421,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str | os.Path
     except BaseException as e:
       try:
         mgr.close()
-      except Exception:  # the original error is the one to report
-        pass
+      except Exception as close_error:  # the original error is the one to raise; say both
+        logging.error('while stopping after %s: the checkpoint in flight failed too: %s',
+                      type(e).__name__, close_error)
+        runlog.event('save_failed', error=f'{type(close_error).__name__}: {close_error}')
       runlog.event('failed', error=f'{type(e).__name__}: {e}')
       runlog.status(state='failed', error=f'{type(e).__name__}: {e}')
       raise
@@ -434,6 +443,7 @@ class _Run:
   workdir: Path
   identity: dict[str, Any]
   bandit: bandit_lib.Bandit | None = None
+  resumed_from: Path | None = None  # the checkpoint directory (or .bin) this start restored
   # The frozen parameters read from init_from, by dotted name. No checkpoint holds them (a resume
   # reads the pinned file again); the exporter gets them from here.
   file_frozen: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
@@ -571,6 +581,10 @@ def _start(run: _Run, resume_dir: Path | None) -> tuple[TrainState, int]:
     runlog.event('cleaned', paths=[str(p) for p in mgr.removed_debris])
     logging.info('removed %d incomplete checkpoint(s)', len(mgr.removed_debris))
   run.bandit = _start_bandit(run, run_state.get('bandit'))
+  run.resumed_from = resume_dir
+  # The cadence counts from here: steps replayed past an older checkpoint are saved again,
+  # replacing what an earlier history (or a damaged checkpoint passed over) left at those steps.
+  mgr.continue_from(step)
   runlog.status(state='running', step=step, total_steps=config.train.steps,
                 last_checkpoint=mgr.latest_step(), phase=run.bandit.state['phase'], error=None)
   return state, step
@@ -621,7 +635,10 @@ def _loop(run: _Run, state: TrainState, step: int) -> TrainState:
   config, total = trainer.config, trainer.config.train.steps
   progress = _Progress(trainer, runlog, step)
   first_step = step
-  saved = {s for s in (mgr.latest_step(),) if s is not None}
+  # The step this run continues from is on disk when it came from this workdir's own checkpoint.
+  restored_here = (run.resumed_from is not None
+                   and run.resumed_from.resolve() == mgr.step_dir(step).resolve())
+  saved = {step} if restored_here else set()
   sample_every = config.samples.every if config.samples.every >= 0 else config.checkpoint.every
 
   def save(step: int) -> None:

@@ -1,0 +1,43 @@
+"""Phase-lifetime satellites and the pivot, in-process."""
+
+import json
+
+import pytest
+
+from configs import tiny
+from jaxckpt import phases, train
+from jaxckpt.checkpoint import layout
+from jaxckpt.errors import ConfigError
+from jaxckpt.runlog import RunLog
+
+
+@pytest.mark.parametrize('keep, rounds', [(0, []), (2, [3, 4])])
+def test_samples_keep_counts_rounds_and_zero_keeps_none(tmp_path, keep, rounds):
+  for step in (1, 2, 3, 4):
+    phases.write_samples(tmp_path, 0, step, [f'text {step}'], keep)
+  written = json.loads((tmp_path / phases.SAMPLES).read_text())
+  assert [r['step'] for r in written['rounds']] == rounds
+
+
+def test_a_negative_samples_keep_is_a_config_error():
+  config = tiny.get_config()
+  config.samples.keep = -1
+  with pytest.raises(ConfigError, match='E-CONFIG-001: samples.keep=-1'):
+    train.validate_config(config)
+
+
+def test_pivot_makes_the_archive_durable_before_moving_files_into_it(tmp_path, monkeypatch):
+  (tmp_path / 'checkpoints').mkdir()
+  RunLog(tmp_path)
+  for name in (phases.SAMPLES, phases.BANDIT):
+    (tmp_path / name).write_text('{}')
+  order = []
+  real_fsync, real_replace = layout.fsync_dir, phases.os.replace
+  monkeypatch.setattr(layout, 'fsync_dir', lambda p: (order.append(('fsync', p.name)),
+                                                      real_fsync(p)))
+  monkeypatch.setattr(phases.os, 'replace', lambda a, b: (order.append(('move', a.name)),
+                                                          real_replace(a, b)))
+  assert phases.pivot(tmp_path) == (1, [phases.SAMPLES, phases.BANDIT])
+  first_move = order.index(('move', phases.SAMPLES))
+  assert ('fsync', phases.ARCHIVE) in order[:first_move]  # the entry of phase-0 in archive/
+  assert ('fsync', tmp_path.name) in order[:first_move]  # the entry of archive/ in the workdir
