@@ -14,7 +14,7 @@ import jax
 from benchmarks.common import median, print_table, write_results
 from configs import andrea_12m, tiny
 from jaxckpt import data as data_lib
-from jaxckpt import train
+from jaxckpt import trainer as trainer_lib
 
 CONFIGS = {'tiny': tiny, '12m': andrea_12m}
 
@@ -23,7 +23,7 @@ def measure(name: str, repeats: int) -> list[dict]:
   config = CONFIGS[name].get_config()
   with config.unlocked():
     config.train.batch_size = 8
-  trainer = train.build_trainer(config)
+  trainer = trainer_lib.build_trainer(config)
   state = trainer.init_fn(jax.random.key(0))
   batch = trainer.put_batch(data_lib.from_config(config).batch(0))
   jax.block_until_ready(trainer.nonfinite_counts(state))  # compile both before timing
@@ -36,13 +36,14 @@ def measure(name: str, repeats: int) -> list[dict]:
     jax.block_until_ready(metrics)
     steps.append(time.perf_counter() - t)
     t = time.perf_counter()
-    train.check_finite(trainer, state, 1)
+    trainer_lib.check_finite(trainer, state, 1)
     guards.append(time.perf_counter() - t)
   step_s, guard_s = median(steps), median(guards)
   every = config.checkpoint.every
-  return [{'config': name, 'step_s': step_s, 'guard_s': guard_s,
-           'guard_per_step': guard_s / step_s, 'checkpoint_every': every,
-           'share_of_training': guard_s / (every * step_s)}]
+  return [{
+      'config': name, 'step_s': step_s, 'guard_s': guard_s, 'guard_per_step': guard_s / step_s,
+      'checkpoint_every': every, 'share_of_training': guard_s / (every * step_s)
+  }]
 
 
 def main(argv=None) -> None:

@@ -69,8 +69,9 @@ class Bandit:
     if len(self.arms) == 1:
       return 0
     u = np.random.default_rng([self.seed, step, 0xB4]).random()
-    return int(min(np.searchsorted(np.cumsum(self.probabilities()), u, side='right'),
-                   len(self.arms) - 1))
+    return int(
+        min(np.searchsorted(np.cumsum(self.probabilities()), u, side='right'),
+            len(self.arms) - 1))
 
   def record(self, step: int, arm: int, loss) -> None:
     """Note the loss of `step` (a device scalar is fine); learn every `update_every` steps."""
@@ -113,15 +114,15 @@ class Bandit:
     snapshot handed to an async save must keep this step's values.
     """
     self._settle()
-    return {**copy.deepcopy(self.state),
-            'probabilities': [float(x) for x in self.probabilities()]}
+    return {**copy.deepcopy(self.state), 'probabilities': [float(x) for x in self.probabilities()]}
 
 
 def fresh_state(arms: Sequence[str], phase: int) -> dict[str, Any]:
   n = len(arms)
-  return {'arms': list(arms), 'log_weights': [0.0] * n, 'pulls': [0] * n,
-          'ema_reward': [None] * n, 'ema_loss': [None] * n, 'pending': [], 'phase': phase,
-          'phase_steps': 0}
+  return {
+      'arms': list(arms), 'log_weights': [0.0] * n, 'pulls': [0] * n, 'ema_reward': [None] * n,
+      'ema_loss': [None] * n, 'pending': [], 'phase': phase, 'phase_steps': 0
+  }
 
 
 def bound(cfg, which: str, arm: str) -> float:
@@ -129,8 +130,8 @@ def bound(cfg, which: str, arm: str) -> float:
   return float(per_arm.get(arm, cfg.get(which)))
 
 
-def reconcile(state: Mapping[str, Any], arms: Sequence[str], phase: int
-              ) -> tuple[dict[str, Any], list[str], list[str], bool]:
+def reconcile(state: Mapping[str, Any], arms: Sequence[str],
+              phase: int) -> tuple[dict[str, Any], list[str], list[str], bool]:
   """Fit a restored bandit state to the config's sources and the workdir's phase.
 
   Returns (state, dropped arms, added arms, reset). A new phase (after a pivot) starts a fresh
@@ -152,8 +153,8 @@ def reconcile(state: Mapping[str, Any], arms: Sequence[str], phase: int
   mean = float(np.mean(out['log_weights'])) if keep else 0.0
   for a in added:
     out['arms'].append(a)
-    for key, value in (('log_weights', mean), ('pulls', 0), ('ema_reward', None),
-                       ('ema_loss', None)):
+    for key, value in (('log_weights', mean), ('pulls', 0), ('ema_reward', None), ('ema_loss',
+                                                                                   None)):
       out[key].append(value)
   remap = {old.index(a): out['arms'].index(a) for a in out['arms'] if a in old}
   out['pending'] = [[remap[a], l] for a, l in state['pending'] if a in remap]
@@ -168,9 +169,10 @@ def validate(cfg, arms: Sequence[str]) -> None:
                       'ceiling <= 1', 'fix bandit.floor, bandit.ceiling, bandit.floors, '
                       'bandit.ceilings')
   if len(arms) > 1 and (sum(floors) > 1 + 1e-9 or sum(ceilings) < 1 - 1e-9):
-    raise ConfigError('E-CONFIG-005', f'bandit floors sum to {sum(floors):.3f} and ceilings to '
-                      f'{sum(ceilings):.3f} over {len(arms)} sources; no distribution fits',
-                      'floors must sum to <= 1 and ceilings to >= 1')
+    raise ConfigError(
+        'E-CONFIG-005', f'bandit floors sum to {sum(floors):.3f} and ceilings to '
+        f'{sum(ceilings):.3f} over {len(arms)} sources; no distribution fits',
+        'floors must sum to <= 1 and ceilings to >= 1')
   if cfg.update_every <= 0 or not 0 <= cfg.gamma <= 1:
     raise ConfigError('E-CONFIG-005', 'bandit.update_every must be positive and bandit.gamma '
                       'in [0, 1]', 'fix the bandit config')

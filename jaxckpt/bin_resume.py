@@ -27,17 +27,17 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxckpt.checkpoint import layout
-from jaxckpt.checkpoint.manager import leaf_name
+from jaxckpt import model as model_lib, names
+from jaxckpt.checkpoint import atomic, layout
+from jaxckpt.checkpoint.tree import leaf_name
 from jaxckpt.errors import ResumeError
-from jaxckpt.export import flatbin, hf
-from jaxckpt.export.offline import param_of_leaf
+from jaxckpt.export import flatbin
 
 NOT_IN_BIN = ('rng_key', 'data_position', 'run_counters', 'bandit_state')
 
 
-def matching_run_state(bin_path: Path, ckpt_dir: Path, step: int, seed: int
-                       ) -> tuple[Path, dict[str, Any]] | None:
+def matching_run_state(bin_path: Path, ckpt_dir: Path, step: int,
+                       seed: int) -> tuple[Path, dict[str, Any]] | None:
   """(path, run state) of a committed checkpoint of `step` from the same seed, or None.
 
   Looked for in this run's `ckpt_dir`, then in the run whose `exports/` holds the `.bin`.
@@ -49,7 +49,7 @@ def matching_run_state(bin_path: Path, ckpt_dir: Path, step: int, seed: int
     step_dir = d / layout.step_dirname(step)
     if not (step_dir / layout.MANIFEST).is_file() or not (step_dir / layout.RUN_STATE).is_file():
       continue
-    run_state = layout.read_json(step_dir / layout.RUN_STATE)
+    run_state = atomic.read_json(step_dir / layout.RUN_STATE)
     if run_state.get('step') == step and run_state.get('seed', seed) == seed:
       return step_dir / layout.RUN_STATE, run_state
     logging.warning('%s is not the run state of this .bin (step %s, seed %s); not used',
@@ -69,13 +69,13 @@ def restore_from_bin(trainer, bin_path: Path, ckpt_dir: Path, runlog) -> tuple[A
   """
   config = trainer.config
   bin_path = Path(bin_path)
-  step, params, m, v = flatbin.read_bin(bin_path, hf.param_shapes(config.model))
+  step, params, m, v = flatbin.read_bin(bin_path, model_lib.param_shapes(config.model))
   arrays = {'params': params, 'm': m, 'v': v}
   replaced = {'params': 0, 'm': 0, 'v': 0, 'count': 0}
 
   def replace(path, leaf):
     name = leaf_name(path)
-    which = param_of_leaf(name)
+    which = names.param_of_leaf(name)
     if which is not None:
       value = arrays[which[0]][which[1]]
       replaced[which[0]] += 1
@@ -89,8 +89,9 @@ def restore_from_bin(trainer, bin_path: Path, ckpt_dir: Path, runlog) -> tuple[A
   state = jax.tree_util.tree_map_with_path(replace, trainer.init_fn(jax.random.key(config.seed)))
   # Frozen parameters have no moments (the .bin holds zeros for them); none at all is an error.
   if not replaced['m'] or not replaced['v']:
-    raise ResumeError('E-BIN-004', f'{bin_path}: the optimizer state has no Adam moments (mu/nu) '
-                      'to restore m and v into', 'resume a .bin with an optax Adam optimizer')
+    raise ResumeError(
+        'E-BIN-004', f'{bin_path}: the optimizer state has no Adam moments (mu/nu) '
+        'to restore m and v into', 'resume a .bin with an optax Adam optimizer')
 
   found = matching_run_state(bin_path, ckpt_dir, step, config.seed)
   if found is not None:
@@ -100,8 +101,10 @@ def restore_from_bin(trainer, bin_path: Path, ckpt_dir: Path, runlog) -> tuple[A
   else:
     run_state_path = None
     tokens_per_step = config.train.batch_size * config.model.block_size
-    run_state = {'step': step, 'seed': config.seed, 'data_position': step,
-                 'tokens_seen': step * tokens_per_step}
+    run_state = {
+        'step': step, 'seed': config.seed, 'data_position': step,
+        'tokens_seen': step * tokens_per_step
+    }
     fate = (f'no committed checkpoint of step {step} was found ({layout.step_dirname(step)}/'
             f'{layout.RUN_STATE}), so the run counters were recomputed from the step and the '
             'data-source bandit, if any, starts fresh')
@@ -110,10 +113,14 @@ def restore_from_bin(trainer, bin_path: Path, ckpt_dir: Path, runlog) -> tuple[A
              f'or the bandit state: the RNG and the data position are derived from (seed '
              f'{config.seed}, step {step}) in this trainer and were recomputed; {fate}')
   logging.warning('%s', message)
-  runlog.event('resumed_from_bin', step=step, path=str(bin_path),
-               restored=['params', 'adam_m', 'adam_v', 'optimizer_count'],
-               counts_set=replaced['count'], not_in_bin=list(NOT_IN_BIN),
-               recomputed=['rng_key', 'data_position'] + ([] if found else ['run_counters']),
-               run_state=None if run_state_path is None else str(run_state_path),
-               message=message)
+  runlog.event(
+      'resumed_from_bin',
+      step=step,
+      path=str(bin_path),
+      restored=['params', 'adam_m', 'adam_v', 'optimizer_count'],
+      counts_set=replaced['count'],
+      not_in_bin=list(NOT_IN_BIN),
+      recomputed=['rng_key', 'data_position'] + ([] if found else ['run_counters']),
+      run_state=None if run_state_path is None else str(run_state_path),
+      message=message)
   return state, run_state

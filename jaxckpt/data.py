@@ -49,7 +49,7 @@ def load_tokens(paths: Sequence[str]) -> np.ndarray:
 @dataclasses.dataclass
 class Source:
   name: str
-  train: np.ndarray    # uint16 tokens
+  train: np.ndarray  # uint16 tokens
   heldout: np.ndarray  # uint16 tokens
 
 
@@ -94,21 +94,24 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, block_size: int):
 def _split(name: str, tokens: np.ndarray, cfg) -> Source:
   vocab = cfg.model.vocab_size
   if len(tokens) and int(tokens.max()) >= vocab:
-    raise ConfigError('E-DATA-002', f'data source {name} has token id {int(tokens.max())} but '
-                      f'model.vocab_size={vocab}', 'raise model.vocab_size or fix the data')
+    raise ConfigError(
+        'E-DATA-002', f'data source {name} has token id {int(tokens.max())} but '
+        f'model.vocab_size={vocab}', 'raise model.vocab_size or fix the data')
   n_heldout = int(len(tokens) * cfg.data.heldout_fraction)
   source = Source(name, tokens[:len(tokens) - n_heldout], tokens[len(tokens) - n_heldout:])
   need = cfg.model.block_size + 2
   if len(source.train) < need or len(source.heldout) < need:
-    raise ConfigError('E-DATA-003', f'data source {name} has {len(tokens)} tokens, too few for '
-                      f'block_size {cfg.model.block_size} with heldout_fraction '
-                      f'{cfg.data.heldout_fraction}', 'add data or shrink model.block_size')
+    raise ConfigError(
+        'E-DATA-003', f'data source {name} has {len(tokens)} tokens, too few for '
+        f'block_size {cfg.model.block_size} with heldout_fraction '
+        f'{cfg.data.heldout_fraction}', 'add data or shrink model.block_size')
   return source
 
 
 def from_config(cfg) -> Dataset:
   if not cfg.data.sources:
     raise ConfigError('E-DATA-004', 'data.sources is empty', 'name at least one source')
-  sources = [_split(name, load_tokens(list(paths)), cfg) for name, paths in
-             cfg.data.sources.items()]
+  sources = [
+      _split(name, load_tokens(list(paths)), cfg) for name, paths in cfg.data.sources.items()
+  ]
   return Dataset(sources, cfg.model.block_size, cfg.train.batch_size, cfg.seed)

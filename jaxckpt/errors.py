@@ -1,23 +1,25 @@
 """Errors a user can act on. Each has a stable code, says what is wrong and how to fix it.
 
-`main` and the `jaxckpt` command print them as one line, `jaxckpt: <code>: <what>; <fix>`, and exit
-with `exit_code` (2 for usage and configuration problems). Tracebacks are kept for bugs.
+The trainer's errors share the checkpoint library's one-line form (`JaxckptError` subclasses
+`jaxckpt.checkpoint.CheckpointError`), so one handler reports both: `main` and the `jaxckpt`
+command print `jaxckpt: <code>: <what>; <fix>` and exit with `exit_code` (2 for usage and
+configuration problems, 1 otherwise). Tracebacks are kept for bugs.
 """
 
 from __future__ import annotations
 
+from jaxckpt.checkpoint.errors import ArgumentError, CheckpointError
 
-class JaxckptError(Exception):
-  """A problem the user can fix. `code` is stable across versions (E-<AREA>-<NNN>)."""
+__all__ = [
+    'ArgumentError', 'CheckpointError', 'ConfigError', 'JaxckptError', 'ResumeError', 'UsageError',
+    'exit_code'
+]
+
+
+class JaxckptError(CheckpointError):
+  """A problem the user can fix, found by the trainer or a `jaxckpt` tool."""
 
   exit_code = 1
-
-  def __init__(self, code: str, what: str, fix: str = ''):
-    self.code, self.what, self.fix = code, what, fix
-    super().__init__(self.line())
-
-  def line(self) -> str:
-    return f'{self.code}: {self.what}' + (f'; {self.fix}' if self.fix else '')
 
 
 class UsageError(JaxckptError):
@@ -34,5 +36,6 @@ class ResumeError(UsageError):
   """The run cannot be resumed as asked (or cannot safely start fresh)."""
 
 
-class CheckpointError(JaxckptError):
-  """Saving or loading a checkpoint failed; whatever was committed before is intact."""
+def exit_code(e: CheckpointError) -> int:
+  """The exit status for `e`: its own, or 2 for a library `ArgumentError`, else 1."""
+  return getattr(e, 'exit_code', 2 if isinstance(e, ArgumentError) else 1)

@@ -15,7 +15,6 @@ or deletes a checkpoint, and takes no lock the trainer needs; one evaluator per 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import sys
@@ -25,11 +24,9 @@ from typing import Any, Callable
 
 from jaxckpt import identity
 from jaxckpt import model as model_lib
-from jaxckpt.checkpoint.manager import named_leaves
-from jaxckpt.errors import CheckpointError, ConfigError, JaxckptError, UsageError
-from jaxckpt.inspection import ArgumentParser
-
-RESULTS = 'evaluated.json'
+from jaxckpt.checkpoint import atomic, named_leaves
+from jaxckpt.errors import CheckpointError, ConfigError, UsageError
+from jaxckpt.workdir import EVALUATED, checkpoints_dir
 
 
 def _is_params(name: str) -> bool:
@@ -38,11 +35,11 @@ def _is_params(name: str) -> bool:
 
 def read_results(workdir: str | os.PathLike) -> dict[str, dict[str, Any]]:
   try:
-    return json.loads((Path(workdir) / RESULTS).read_text())
+    return json.loads((Path(workdir) / EVALUATED).read_text())
   except FileNotFoundError:
     return {}
   except ValueError as e:  # written atomically, so only a foreign hand can damage it
-    raise UsageError('E-EVAL-002', f'{Path(workdir) / RESULTS} is not valid JSON ({e})',
+    raise UsageError('E-EVAL-002', f'{Path(workdir) / EVALUATED} is not valid JSON ({e})',
                      'move it away; the evaluator then evaluates every checkpoint again') from e
 
 
@@ -57,12 +54,15 @@ class Evaluator:
     log, warn: where progress lines and warnings go.
   """
 
-  def __init__(self, workdir: str | os.PathLike, *, config=None,
+  def __init__(self,
+               workdir: str | os.PathLike,
+               *,
+               config=None,
                log: Callable[[str], None] = print,
                warn: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)):
     from jaxckpt.checkpoint import CheckpointManager  # jax: only once we evaluate
     self.workdir = Path(workdir)
-    self.mgr = CheckpointManager(self.workdir / 'checkpoints', writer=False)
+    self.mgr = CheckpointManager(checkpoints_dir(self.workdir), writer=False)
     self.config, self.log, self.warn = config, log, warn
     self.results = read_results(self.workdir)
     self._trainers: dict[str, Any] = {}
@@ -80,10 +80,11 @@ class Evaluator:
       try:
         self._trainers[key] = (_build_trainer(config), data_lib.from_config(config))
       except (AttributeError, KeyError) as e:
-        raise UsageError('E-EVAL-004', f'the checkpoint\'s config lacks a field this jaxckpt '
-                         f'needs ({e}); it was written by an older version',
-                         'pass --config=configs/<its config>.py: the file supplies the fields '
-                         'the checkpoint does not have') from e
+        raise UsageError(
+            'E-EVAL-004', f"the checkpoint's config lacks a field this jaxckpt "
+            f'needs ({e}); it was written by an older version',
+            'pass --config=configs/<its config>.py: the file supplies the fields '
+            'the checkpoint does not have') from e
     return self._trainers[key]
 
   # ------------------------------------------------------------------------ the results
@@ -111,8 +112,7 @@ class Evaluator:
 
   def evaluate(self, step: int, path: Path, meta: dict[str, Any]) -> float | None:
     """The held-out loss of one checkpoint, recorded; None when it vanished or is damaged."""
-    from jaxckpt import train
-    from jaxckpt.checkpoint import layout
+    from jaxckpt import trainer as trainer_lib
     trainer, dataset = self._trainer_and_data(meta.get('config') or {})
     abstract = trainer.abstract_state().params
     excluded = {t['name'] for t in meta.get('excluded') or []}
@@ -123,21 +123,23 @@ class Evaluator:
       from_file = identity.read_excluded(path, meta)
     # What reading files that vanish can raise: jaxckpt's own errors, the OS's, and tensorstore's
     # (ValueError, for an orbax checkpoint). Anything else is a bug, raised whatever happened.
-    except (JaxckptError, OSError, ValueError) as e:
+    except (CheckpointError, OSError, ValueError) as e:
       if not path.exists():  # retention renames before it deletes: gone, not damaged
         self.warn(f'jaxckpt: step {step}: {path} was deleted (retention) before it could be '
                   'evaluated; skipped')
         return None
-      if not isinstance(e, JaxckptError):
+      if not isinstance(e, CheckpointError):
         raise
       self._skip(step, meta.get('committed_at'), e.line())
       return None
     dotted = {'.'.join(n.split('/')[1:]): x for n, x in flat.items()}
     params = model_lib.unflatten_params({**dotted, **from_file}, abstract)
-    loss = train.evaluate(trainer, params, dataset)
-    self.results[str(step)] = {'heldout_loss': loss, 'evaluated_at': time.time(),
-                               'path': str(path), 'committed_at': meta.get('committed_at')}
-    layout.write_json_durably(self.workdir / RESULTS,
+    loss = trainer_lib.evaluate(trainer, params, dataset)
+    self.results[str(step)] = {
+        'heldout_loss': loss, 'evaluated_at': time.time(), 'path': str(path),
+        'committed_at': meta.get('committed_at')
+    }
+    atomic.write_json_durably(self.workdir / EVALUATED,
                               dict(sorted(self.results.items(), key=lambda kv: int(kv[0]))))
     self.log(f'step {step}: heldout_loss {loss:.6f}  ({path})')
     return loss
@@ -195,18 +197,26 @@ def _eval_key(config) -> str:
   """What the evaluated loss depends on: a knob like train.steps must not rebuild or recompile."""
   d = config.to_dict()
   t = d.get('train', {})
-  return json.dumps([d.get('model'), d.get('data'), d.get('mesh'), d.get('seed'),
-                     t.get('batch_size'), t.get('eval_batches')], sort_keys=True, default=str)
+  return json.dumps([
+      d.get('model'),
+      d.get('data'),
+      d.get('mesh'),
+      d.get('seed'),
+      t.get('batch_size'),
+      t.get('eval_batches')
+  ],
+                    sort_keys=True,
+                    default=str)
 
 
 def _build_trainer(config):
   """A trainer on this machine's devices: the run's mesh when it fits, else one device."""
   import jax
-  from jaxckpt import train
+  from jaxckpt import trainer as trainer_lib
   if _mesh_fits_here(config):
-    return train.build_trainer(config)
+    return trainer_lib.build_trainer(config)
   config.mesh.data, config.mesh.model = 1, 1
-  return train.build_trainer(config, devices=jax.devices()[:1])
+  return trainer_lib.build_trainer(config, devices=jax.devices()[:1])
 
 
 def _mesh_fits_here(config) -> bool:
@@ -215,71 +225,7 @@ def _mesh_fits_here(config) -> bool:
   axis spans more devices here than its batch or model splits over."""
   from jaxckpt import sharding
   try:
-    sharding.check_divisible(config.model, config.train.batch_size,
-                             sharding.make_mesh(config.mesh))
+    sharding.check_divisible(config.model, config.train.batch_size, sharding.make_mesh(config.mesh))
   except ConfigError:  # E-CONFIG-002 or -003, the only errors of these two checks
     return False
   return True
-
-
-class _EvaluatorLock:
-  """One evaluator per workdir: two would both evaluate every checkpoint."""
-
-  def __init__(self, workdir: Path):
-    self.path = workdir / f'{RESULTS}.lock'
-    self.fd: int | None = None
-
-  def __enter__(self):
-    self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-      fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-      os.close(self.fd)
-      raise UsageError('E-EVAL-001', f'another evaluator is running on {self.path.parent}',
-                       'let it finish, or stop it first; one evaluator per workdir') from None
-    return self
-
-  def __exit__(self, *exc):
-    os.close(self.fd)
-    return False
-
-
-def main(argv: list[str]) -> int:
-  """`jaxckpt evaluate --workdir=DIR [--follow] [--poll_secs=2] [--config=PATH]`."""
-  parser = ArgumentParser(prog='jaxckpt evaluate', description='Held-out loss of each committed '
-                          'checkpoint of a run, recorded in WORKDIR/evaluated.json.')
-  parser.add_argument('--workdir', required=True, help='the run directory')
-  parser.add_argument('--follow', action='store_true', help='keep watching for new '
-                      'checkpoints; stop after the one of the run\'s last step')
-  parser.add_argument('--poll_secs', type=float, default=2.0, help='seconds between looks for '
-                      'new checkpoints (with --follow)')
-  parser.add_argument('--config', default=None, help="a config file that supplies the fields a "
-                      "checkpoint's own config lacks (one written by an older jaxckpt)")
-  args = parser.parse_args(argv)
-  if args.poll_secs <= 0:
-    parser.error('--poll_secs must be positive')
-  workdir = Path(args.workdir)
-  if not workdir.is_dir():
-    if not args.follow:
-      raise UsageError('E-EVAL-003', f'{workdir} does not exist', 'pass the --workdir of a run '
-                       '(or --follow to wait for a run to start there)')
-    workdir.mkdir(parents=True, exist_ok=True)
-  config = None
-  if args.config is not None:
-    from jaxckpt.identity import load_config_file
-    config = load_config_file(args.config)
-  from jaxckpt import cli_support
-  cli_support.configure_logging()
-  with _EvaluatorLock(workdir):
-    ev = Evaluator(workdir, config=config, log=lambda s: print(s, flush=True))
-    try:
-      if args.follow:
-        ev.follow(args.poll_secs)
-        print(f'the run in {workdir} is finished; all its checkpoints are evaluated', flush=True)
-      else:
-        ev.run_once()
-    except KeyboardInterrupt:  # what was evaluated is recorded; a restart continues from there
-      print(f'jaxckpt: evaluate stopped; {len(ev.results)} checkpoint(s) recorded in '
-            f'{workdir / RESULTS}', file=sys.stderr, flush=True)
-      return 130
-  return 0

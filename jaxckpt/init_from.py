@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxckpt import identity
+from jaxckpt import identity, provenance
 from jaxckpt import model as model_lib
 from jaxckpt.errors import ConfigError
 from jaxckpt.export import safetensors_io
@@ -35,13 +35,15 @@ def validate(config) -> None:
   names = model_lib.parameter_names(config.model)
   unmatched = [g for g in frozen if not any(fnmatch.fnmatchcase(n, g) for n in names)]
   if unmatched:
-    raise ConfigError('E-CONFIG-006', f'train.frozen glob(s) {", ".join(map(repr, unmatched))} '
-                      'match no parameter of the model', 'globs match dotted names such as '
-                      f'{", ".join(names[:3])}, h.0.* (`jaxckpt inspect CKPT` lists them all)')
+    raise ConfigError(
+        'E-CONFIG-006', f'train.frozen glob(s) {", ".join(map(repr, unmatched))} '
+        'match no parameter of the model', 'globs match dotted names such as '
+        f'{", ".join(names[:3])}, h.0.* (`jaxckpt inspect CKPT` lists them all)')
   trainable = identity.trainable_fn(frozen)
   if names and not any(trainable(n) for n in names):
-    raise ConfigError('E-CONFIG-006', f'train.frozen={tuple(frozen)!r} freezes every parameter: '
-                      'there is nothing to train', 'freeze fewer parameters')
+    raise ConfigError(
+        'E-CONFIG-006', f'train.frozen={tuple(frozen)!r} freezes every parameter: '
+        'there is nothing to train', 'freeze fewer parameters')
 
 
 FIX = ('point --config.train.init_from at a jaxckpt safetensors export of a model with this '
@@ -49,7 +51,7 @@ FIX = ('point --config.train.init_from at a jaxckpt safetensors export of a mode
 
 
 def pin(path: str, *, fresh: bool) -> dict[str, Any] | None:
-  """`identity.pin_file` of train.init_from (absolute path, size, sha256); None when unset.
+  """`provenance.pin_file` of train.init_from (absolute path, size, sha256); None when unset.
 
   On a fresh start a missing file is an error here (E-LOAD-002). On a resume it is pinned with
   no size or sha256, and `identity.compare` refuses it (E-LOAD-001) before anything is loaded.
@@ -58,7 +60,7 @@ def pin(path: str, *, fresh: bool) -> dict[str, Any] | None:
     return None
   path = os.path.abspath(path)
   try:
-    return identity.pin_file(path)
+    return provenance.pin_file(path)
   except OSError as e:
     if fresh:
       raise ConfigError('E-LOAD-002', f'cannot read train.init_from={path}: '
@@ -88,13 +90,18 @@ def read(path: str | os.PathLike, abstract_params, model_cfg) -> dict[str, np.nd
   unknown = [n for n in tensors if n not in model]
   misfit = [n for n, x in tensors.items() if n in model and not _fits(x, model[n])]
   if unknown or misfit or not tensors:
-    parts = ([f'not parameters of the model: {", ".join(unknown[:5])}'
-              + (f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else '')] if unknown else [])
-    parts += [f'{n} {tensors[n].dtype}{list(tensors[n].shape)} -> model '
-              f'{np.dtype(model[n].dtype)}{list(model[n].shape)}' for n in misfit[:5]]
+    parts = ([
+        f'not parameters of the model: {", ".join(unknown[:5])}' +
+        (f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else '')
+    ] if unknown else [])
+    parts += [
+        f'{n} {tensors[n].dtype}{list(tensors[n].shape)} -> model '
+        f'{np.dtype(model[n].dtype)}{list(model[n].shape)}' for n in misfit[:5]
+    ]
     parts += [f'(+{len(misfit) - 5} more)'] if len(misfit) > 5 else []
-    raise ConfigError('E-LOAD-003', f'train.init_from={path} does not fit the model: '
-                      + ('; '.join(parts) if parts else 'it holds no tensor'), FIX)
+    raise ConfigError(
+        'E-LOAD-003', f'train.init_from={path} does not fit the model: ' +
+        ('; '.join(parts) if parts else 'it holds no tensor'), FIX)
   return {n: np.asarray(tensors[n], dtype=model[n].dtype) for n in model if n in tensors}
 
 
@@ -109,9 +116,11 @@ def _fits(x: np.ndarray, param) -> bool:
 
 def load_params(params, arrays: dict[str, np.ndarray]):
   """`params` with the leaves named in `arrays` replaced, each placed on the leaf's sharding."""
+
   def put(name, x):
     if name not in arrays:
       return x
     value = arrays[name]
     return jax.make_array_from_callback(value.shape, x.sharding, lambda idx: value[idx])
+
   return model_lib.map_named(put, params)

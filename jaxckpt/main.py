@@ -13,24 +13,29 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxckpt import cli_support, identity
+from jaxckpt import provenance as provenance_lib
+from jaxckpt.cli import parser, trainer_flags
 from jaxckpt.checkpoint import signals
 from jaxckpt.errors import UsageError
 
 FLAGS = flags.FLAGS
-cli_support.define_config_file('config', 'Path to a config file (configs/*.py).')
+trainer_flags.define_config_file('config', 'Path to a config file (configs/*.py).')
 flags.DEFINE_string('workdir', None, 'Directory of the run: checkpoints, logs, exports.')
-flags.DEFINE_string('resume', None, "latest (default) | none | PATH of a step_<n> directory "
-                    'or of a step_NNNNNN.bin. Default: $JAXCKPT_RESUME, else latest.')
+flags.DEFINE_string(
+    'resume', None, 'latest (default) | none | PATH of a step_<n> directory '
+    'or of a step_NNNNNN.bin. Default: $JAXCKPT_RESUME, else latest.')
 flags.DEFINE_integer('checkpoint_every', None, 'Steps between checkpoints (0: off).')
 flags.DEFINE_float('checkpoint_secs', None, 'Seconds between checkpoints (0: off).')
-flags.DEFINE_enum('checkpoint_mode', None, ['auto', 'async', 'sync'], 'How checkpoints are written.')
+flags.DEFINE_enum('checkpoint_mode', None, ['auto', 'async', 'sync'],
+                  'How checkpoints are written.')
 flags.DEFINE_integer('keep', None, 'Newest checkpoints to keep (0: all).')
 flags.DEFINE_integer('keep_every', None, 'Keep every checkpoint whose step is divisible by this.')
-flags.DEFINE_bool('guard_finite', None, 'Check params and optimizer state for NaN/inf before '
-                  'each checkpoint commits; stop the run instead of committing them.')
-flags.DEFINE_integer('export_every', None, 'Export the first checkpoint at or after each '
-                     'multiple of this many steps, and the last step (0: off).')
+flags.DEFINE_bool(
+    'guard_finite', None, 'Check params and optimizer state for NaN/inf before '
+    'each checkpoint commits; stop the run instead of committing them.')
+flags.DEFINE_integer(
+    'export_every', None, 'Export the first checkpoint at or after each '
+    'multiple of this many steps, and the last step (0: off).')
 flags.DEFINE_string('export_formats', None, 'Comma list of export formats: safetensors,hf,bin.')
 flags.DEFINE_integer('export_keep', None, 'Newest exported steps to keep (0: all).')
 flags.DEFINE_bool('export_optimizer', None, 'Also export Adam m and v as optimizer.safetensors.')
@@ -38,16 +43,21 @@ flags.mark_flags_as_required(['config', 'workdir'])
 
 # Flags that set a config field; the manifest records such values with source `flag`.
 FLAG_FIELDS = {
-    'checkpoint_every': 'checkpoint.every', 'checkpoint_secs': 'checkpoint.secs',
-    'checkpoint_mode': 'checkpoint.mode', 'keep': 'checkpoint.keep',
-    'keep_every': 'checkpoint.keep_every', 'guard_finite': 'train.guard_finite',
-    'export_every': 'export.every', 'export_formats': 'export.formats', 'export_keep': 'export.keep',
+    'checkpoint_every': 'checkpoint.every',
+    'checkpoint_secs': 'checkpoint.secs',
+    'checkpoint_mode': 'checkpoint.mode',
+    'keep': 'checkpoint.keep',
+    'keep_every': 'checkpoint.keep_every',
+    'guard_finite': 'train.guard_finite',
+    'export_every': 'export.every',
+    'export_formats': 'export.formats',
+    'export_keep': 'export.keep',
     'export_optimizer': 'export.optimizer',
 }
 
 
 def main(argv, watcher: signals.PreemptionWatcher | None = None):
-  return cli_support.run_reporting_errors(lambda: train_from_flags(argv, watcher))
+  return parser.run_reporting_errors(lambda: train_from_flags(argv, watcher))
 
 
 def train_from_flags(argv, watcher: signals.PreemptionWatcher | None = None) -> None:
@@ -60,16 +70,18 @@ def train_from_flags(argv, watcher: signals.PreemptionWatcher | None = None) -> 
       if FLAGS[flag].value is not None:
         section, name = field.split('.')
         config[section][name] = FLAGS[flag].value
-  provenance = identity.provenance(config, config_flags.get_config_filename(FLAGS['config']),
-                                   flagged=identity.flagged_fields(FLAGS, FLAG_FIELDS))
+  provenance = provenance_lib.provenance(
+      config,
+      config_flags.get_config_filename(FLAGS['config']),
+      flagged=provenance_lib.flagged_fields(FLAGS, FLAG_FIELDS))
   resume = FLAGS.resume or os.environ.get('JAXCKPT_RESUME') or 'latest'
   from jaxckpt import train  # after flag parsing: jax is slow to import
-  train.train_and_evaluate(config, FLAGS.workdir, resume=resume, provenance=provenance,
-                           watcher=watcher)
+  train.train_and_evaluate(
+      config, FLAGS.workdir, resume=resume, provenance=provenance, watcher=watcher)
 
 
 if __name__ == '__main__':
   # First, before the slow imports: from here to exit a signal is a flag, never a kill.
   watcher = signals.PreemptionWatcher().install_until_exit()
-  cli_support.configure_logging()
-  app.run(functools.partial(main, watcher=watcher), flags_parser=cli_support.parse_flags_or_exit)
+  parser.configure_logging()
+  app.run(functools.partial(main, watcher=watcher), flags_parser=trainer_flags.parse_flags_or_exit)

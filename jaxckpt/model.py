@@ -24,7 +24,10 @@ from typing import Any, Mapping
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
+
+from jaxckpt import names
 
 LAYER_NORM_EPS = 1e-5
 
@@ -42,13 +45,17 @@ def _ones(axes):
 
 
 def _layer_norm(dtype, name):
-  return nn.LayerNorm(epsilon=LAYER_NORM_EPS, dtype=dtype, name=name,
-                      scale_init=_ones(('norm',)), bias_init=_zeros(('norm',)))
+  return nn.LayerNorm(
+      epsilon=LAYER_NORM_EPS,
+      dtype=dtype,
+      name=name,
+      scale_init=_ones(('norm',)),
+      bias_init=_zeros(('norm',)))
 
 
 def _dense(features, axes, std, dtype, name):
-  return nn.Dense(features, dtype=dtype, name=name, kernel_init=_init(std, axes),
-                  bias_init=_zeros(axes[1:]))
+  return nn.Dense(
+      features, dtype=dtype, name=name, kernel_init=_init(std, axes), bias_init=_zeros(axes[1:]))
 
 
 class CausalSelfAttention(nn.Module):
@@ -93,8 +100,9 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    x = x + CausalSelfAttention(self.n_head, self.n_layer, self.dtype, name='attn')(
-        _layer_norm(self.dtype, 'ln_1')(x))
+    x = x + CausalSelfAttention(
+        self.n_head, self.n_layer, self.dtype, name='attn')(
+            _layer_norm(self.dtype, 'ln_1')(x))
     x = x + MLP(self.n_layer, self.dtype, name='mlp')(_layer_norm(self.dtype, 'ln_2')(x))
     return x
 
@@ -119,8 +127,8 @@ class Head(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    kernel = self.param('kernel', _init(0.02, ('vocab', 'embed')),
-                        (self.vocab_size, x.shape[-1]), jnp.float32)
+    kernel = self.param('kernel', _init(0.02, ('vocab', 'embed')), (self.vocab_size, x.shape[-1]),
+                        jnp.float32)
     return jnp.einsum('btc,vc->btv', x, kernel.astype(self.dtype))  # (B, T, V)
 
 
@@ -137,10 +145,10 @@ class GPT(nn.Module):
   @nn.compact
   def __call__(self, tokens):
     B, T = tokens.shape
-    wte = nn.Embed(self.vocab_size, self.n_embd, name='wte',
-                   embedding_init=_init(0.02, ('vocab', 'embed')))
-    wpe = nn.Embed(self.block_size, self.n_embd, name='wpe',
-                   embedding_init=_init(0.01, ('pos', 'embed')))
+    wte = nn.Embed(
+        self.vocab_size, self.n_embd, name='wte', embedding_init=_init(0.02, ('vocab', 'embed')))
+    wpe = nn.Embed(
+        self.block_size, self.n_embd, name='wpe', embedding_init=_init(0.01, ('pos', 'embed')))
     x = wte(tokens) + wpe(jnp.arange(T)[None, :])  # (B, T, C)
     x = x.astype(self.dtype)
     x = Blocks(self.n_layer, self.n_head, self.dtype, name='h')(x)
@@ -153,9 +161,14 @@ class GPT(nn.Module):
 
 
 def from_config(model_cfg) -> GPT:
-  return GPT(vocab_size=model_cfg.vocab_size, block_size=model_cfg.block_size,
-             n_layer=model_cfg.n_layer, n_head=model_cfg.n_head, n_embd=model_cfg.n_embd,
-             tie_embeddings=model_cfg.tie_embeddings, dtype=jnp.dtype(model_cfg.dtype))
+  return GPT(
+      vocab_size=model_cfg.vocab_size,
+      block_size=model_cfg.block_size,
+      n_layer=model_cfg.n_layer,
+      n_head=model_cfg.n_head,
+      n_embd=model_cfg.n_embd,
+      tie_embeddings=model_cfg.tie_embeddings,
+      dtype=jnp.dtype(model_cfg.dtype))
 
 
 _LAYER_PARAMS = ('ln_1.scale', 'ln_1.bias', 'attn.c_attn.kernel', 'attn.c_attn.bias',
@@ -165,32 +178,26 @@ _LAYER_PARAMS = ('ln_1.scale', 'ln_1.bias', 'attn.c_attn.kernel', 'attn.c_attn.b
 
 def parameter_names(model_cfg) -> list[str]:
   """The canonical order of the model's parameters, as dotted names."""
-  names = ['wte.embedding', 'wpe.embedding']
+  order = ['wte.embedding', 'wpe.embedding']
   for i in range(model_cfg.n_layer):
-    names += [f'h.{i}.{p}' for p in _LAYER_PARAMS]
-  names += ['ln_f.scale', 'ln_f.bias']
+    order += [f'h.{i}.{p}' for p in _LAYER_PARAMS]
+  order += ['ln_f.scale', 'ln_f.bias']
   if not model_cfg.tie_embeddings:
-    names.append('lm_head.kernel')
-  return names
-
-
-def _dotted(path) -> str:
-  parts = []
-  for key in path:
-    name = getattr(key, 'key', getattr(key, 'name', getattr(key, 'idx', None)))
-    parts.append(str(name))
-  return '.'.join(parts)
+    order.append('lm_head.kernel')
+  return order
 
 
 def map_named(fn, params) -> Any:
   """`fn(dotted name, leaf)` over a params tree, boxed (`nn.LogicallyPartitioned`) or not."""
-  return jax.tree_util.tree_map_with_path(lambda path, x: fn(_dotted(path), x), params,
-                                          is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: fn(names.dotted(path), x),
+      params,
+      is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
 
 
 def flatten_params(params: Mapping, model_cfg) -> dict[str, Any]:
   """`{dotted name: array}` in canonical order."""
-  flat = {_dotted(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  flat = {names.dotted(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
   order = parameter_names(model_cfg)
   if sorted(flat) != sorted(order):
     raise ValueError(f'parameter tree does not match the config: {sorted(set(flat) ^ set(order))}')
@@ -200,15 +207,44 @@ def flatten_params(params: Mapping, model_cfg) -> dict[str, Any]:
 def unflatten_params(flat: Mapping[str, Any], params_like: Mapping) -> Any:
   """Inverse of `flatten_params`: arrays by dotted name into the structure of `params_like`."""
   paths, treedef = jax.tree_util.tree_flatten_with_path(params_like)
-  return jax.tree_util.tree_unflatten(treedef, [flat[_dotted(p)] for p, _ in paths])
+  return jax.tree_util.tree_unflatten(treedef, [flat[names.dotted(p)] for p, _ in paths])
 
 
 def count_params(model_cfg) -> int:
   C, V, T, L = model_cfg.n_embd, model_cfg.vocab_size, model_cfg.block_size, model_cfg.n_layer
-  per_layer = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * 4 * C + 4 * C) + (4 * C * C + C)
+  per_layer = 2 * C + (C * 3 * C + 3 * C) + (C * C + C) + 2 * C + (C * 4 * C + 4 * C) + (4 * C * C +
+                                                                                         C)
   head = 0 if model_cfg.tie_embeddings else V * C
   return V * C + T * C + L * per_layer + 2 * C + head
 
 
 def param_count_of(params) -> int:
   return int(sum(np.prod(x.shape) for x in jax.tree_util.tree_leaves(params)))
+
+
+def param_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+  """{dotted name: shape} in canonical order, from the config alone (no model is built)."""
+  c = as_model_config(model_cfg)
+  C, V, T = c.n_embd, c.vocab_size, c.block_size
+  per_layer = {
+      'ln_1.scale': (C,), 'ln_1.bias': (C,), 'attn.c_attn.kernel': (C, 3 * C), 'attn.c_attn.bias':
+          (3 * C,), 'attn.c_proj.kernel': (C, C), 'attn.c_proj.bias': (C,), 'ln_2.scale': (C,),
+      'ln_2.bias': (C,), 'mlp.c_fc.kernel': (C, 4 * C), 'mlp.c_fc.bias': (4 * C,),
+      'mlp.c_proj.kernel': (4 * C, C), 'mlp.c_proj.bias': (C,)
+  }
+  fixed = {
+      'wte.embedding': (V, C), 'wpe.embedding': (T, C), 'ln_f.scale': (C,), 'ln_f.bias': (C,),
+      'lm_head.kernel': (V, C)
+  }
+  shapes = {}
+  for name in parameter_names(c):
+    parts = name.split('.')
+    shapes[name] = per_layer['.'.join(parts[2:])] if parts[0] == 'h' else fixed[name]
+  return shapes
+
+
+def as_model_config(model_cfg: Any) -> ml_collections.ConfigDict:
+  """`config.model` as a ConfigDict, whether given one or a plain dict (from a manifest)."""
+  if isinstance(model_cfg, ml_collections.ConfigDict):
+    return model_cfg
+  return ml_collections.ConfigDict(dict(model_cfg))

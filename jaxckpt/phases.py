@@ -11,20 +11,15 @@ ceilings.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from jaxckpt.checkpoint import layout
-from jaxckpt.checkpoint.lock import WorkdirLock
+from jaxckpt.checkpoint import atomic, layout
 from jaxckpt.errors import UsageError
-from jaxckpt.runlog import EVENTS, RunLog, read_jsonl
-
-SAMPLES = 'samples.json'
-BANDIT = 'bandit.json'
-ARCHIVE = 'archive'
+from jaxckpt.runlog import RunLog, read_jsonl
+from jaxckpt.workdir import ARCHIVE, BANDIT, CHECKPOINTS, EVENTS, SAMPLES, WorkdirLock
 
 
 def current_phase(workdir: str | os.PathLike) -> int:
@@ -42,17 +37,17 @@ def write_samples(workdir: Path, phase: int, step: int, texts: Sequence[str], ke
   rounds = [r for r in rounds if r['step'] < step]  # a replayed step replaces its old round
   rounds.append({'step': step, 'samples': list(texts)})
   # keep=0 keeps none (`rounds[-0:]` would be all of them).
-  layout.write_json_durably(path, {'phase': phase, 'rounds': rounds[-keep:] if keep > 0 else []})
+  atomic.write_json_durably(path, {'phase': phase, 'rounds': rounds[-keep:] if keep > 0 else []})
 
 
 def write_bandit_mirror(workdir: Path, step: int, snapshot: Mapping[str, Any]) -> None:
-  layout.write_json_durably(workdir / BANDIT, {'step': step, **snapshot})
+  atomic.write_json_durably(workdir / BANDIT, {'step': step, **snapshot})
 
 
 def pivot(workdir: str | os.PathLike) -> tuple[int, list[str]]:
   """Archive the phase's satellites of a stopped run; returns (new phase, archived names)."""
   workdir = Path(workdir)
-  if not (workdir / 'checkpoints').is_dir():
+  if not (workdir / CHECKPOINTS).is_dir():
     raise UsageError('E-PIVOT-001', f'{workdir} has no checkpoints to pivot from',
                      'pivot a run that has trained and stopped')
   with WorkdirLock(workdir):  # refuses while a trainer runs here
@@ -64,27 +59,20 @@ def pivot(workdir: str | os.PathLike) -> tuple[int, list[str]]:
     dest.mkdir()
     # The new directories' entries must be durable before files move into them: a crash could
     # otherwise lose phase-<k> (and what was moved there) while the originals are already gone.
-    layout.fsync_dir(dest.parent)
-    layout.fsync_dir(workdir)
+    atomic.fsync_dir(dest.parent)
+    atomic.fsync_dir(workdir)
     archived = []
     for name in (SAMPLES, BANDIT):
       if (workdir / name).exists():
         os.replace(workdir / name, dest / name)
         archived.append(name)
-    layout.fsync_dir(dest)
-    layout.fsync_dir(workdir)
-    steps = layout.committed_steps(workdir / 'checkpoints')
-    RunLog(workdir).event('pivot', phase=ending + 1, archived=archived, archive=str(dest),
-                          step=max(steps) if steps else 0)
+    atomic.fsync_dir(dest)
+    atomic.fsync_dir(workdir)
+    steps = layout.committed_steps(workdir / CHECKPOINTS)
+    RunLog(workdir).event(
+        'pivot',
+        phase=ending + 1,
+        archived=archived,
+        archive=str(dest),
+        step=max(steps) if steps else 0)
   return ending + 1, archived
-
-
-def pivot_main(argv: list[str]) -> int:
-  parser = argparse.ArgumentParser(prog='jaxckpt pivot', description=__doc__.split('\n\n')[0])
-  parser.add_argument('--workdir', required=True, help='the stopped run to pivot')
-  args = parser.parse_args(argv)
-  phase, archived = pivot(args.workdir)
-  print(f'pivoted {args.workdir} to phase {phase}; archived '
-        f'{", ".join(archived) or "nothing"} to {ARCHIVE}/phase-{phase - 1}/. The next start '
-        'resumes weights, Adam state, step and loss history with a fresh bandit.')
-  return 0

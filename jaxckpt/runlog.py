@@ -18,11 +18,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from jaxckpt.checkpoint import layout
-
-STATUS = 'status.json'
-EVENTS = 'events.jsonl'
-LOSS = 'loss.jsonl'
+from jaxckpt.checkpoint import atomic
+from jaxckpt.workdir import EVENTS, LOSSES, STATUS
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -42,7 +39,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def read_loss_history(workdir: str | os.PathLike) -> dict[int, dict[str, Any]]:
   """{step: row} with, for each step, the row of the newest segment that trained it."""
   best: dict[int, dict[str, Any]] = {}
-  for row in read_jsonl(Path(workdir) / LOSS):
+  for row in read_jsonl(Path(workdir) / LOSSES):
     old = best.get(row['step'])
     if old is None or row['segment'] >= old['segment']:
       best[row['step']] = row
@@ -78,15 +75,14 @@ class RunLog:
     self._append(EVENTS, [{'event': event, 'time': time.time(), **fields}], sync=True)
 
   def losses(self, rows: Iterable[Mapping[str, Any]]) -> None:
-    self._append(LOSS, ({**r, 'segment': self.segment} for r in rows), sync=True)
+    self._append(LOSSES, ({**r, 'segment': self.segment} for r in rows), sync=True)
 
   def status(self, **fields: Any) -> None:
     with self._lock:
       if not self._status:
-        self._status = {'pid': os.getpid(), 'host': socket.gethostname(),
-                        'started_at': time.time()}
+        self._status = {'pid': os.getpid(), 'host': socket.gethostname(), 'started_at': time.time()}
       self._status.update(fields, updated_at=time.time())
-      layout.write_json_durably(self.workdir / STATUS, self._status)
+      atomic.write_json_durably(self.workdir / STATUS, self._status)
 
 
 def read_status(workdir: str | os.PathLike) -> dict[str, Any]:

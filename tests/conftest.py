@@ -8,6 +8,9 @@ import os
 
 # Before jax is imported anywhere: the in-process tests shard over 8 CPU devices.
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+# Before transformers is imported: from_pretrained on a local directory, never the network.
+os.environ['HF_HUB_OFFLINE'] = '1'
+os.environ['TRANSFORMERS_OFFLINE'] = '1'
 
 import json
 import subprocess
@@ -20,6 +23,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'tiny.py')
+TWO_SOURCES = str(REPO / 'tests' / 'configs' / 'two_sources.py')
 
 
 @pytest.fixture(scope='session')
@@ -29,16 +33,19 @@ def compile_cache(tmp_path_factory) -> Path:
 
 def subprocess_env(cache: Path, devices: int = 1, **extra: str) -> dict[str, str]:
   env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX', 'XLA'))}
-  env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1', JAX_PLATFORMS='cpu',
-             PYTHONPATH=str(REPO))
+  env.update(
+      JAX_COMPILATION_CACHE_DIR=str(cache),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1',
+      JAX_PLATFORMS='cpu',
+      PYTHONPATH=str(REPO))
   if devices > 1:
     env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
   env.update(extra)
   return env
 
 
-class Trainer:
+class TrainerCommand:
   """Runs `python -m jaxckpt.main` on the tiny config as a real subprocess."""
 
   def __init__(self, cache: Path):
@@ -48,33 +55,63 @@ class Trainer:
     config = [] if any(f.startswith('--config=') for f in flags) else [f'--config={TINY}']
     return [sys.executable, '-m', 'jaxckpt.main', *config, f'--workdir={workdir}', *flags]
 
-  def run(self, workdir, *flags: str, devices: int = 1, env: dict | None = None,
-          timeout: float = 300, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run(self.command(workdir, *flags), cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout,
-                          env=subprocess_env(self.cache, devices, **(env or {})))
+  def train(self,
+            workdir,
+            *flags: str,
+            devices: int = 1,
+            env: dict | None = None,
+            timeout: float = 300,
+            cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        self.command(workdir, *flags),
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=subprocess_env(self.cache, devices, **(env or {})))
 
   def start(self, workdir, *flags: str, devices: int = 1) -> subprocess.Popen:
-    return subprocess.Popen(self.command(workdir, *flags), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True,
-                            env=subprocess_env(self.cache, devices))
+    return subprocess.Popen(
+        self.command(workdir, *flags),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(self.cache, devices))
 
 
 @pytest.fixture(scope='session')
-def trainer(compile_cache) -> Trainer:
-  return Trainer(compile_cache)
+def trainer(compile_cache) -> TrainerCommand:
+  return TrainerCommand(compile_cache)
+
+
+def jaxckpt_cli(*args: str,
+                cache: Path | None = None,
+                cwd=REPO,
+                timeout: float | None = 120) -> subprocess.CompletedProcess:
+  """Runs `python -m jaxckpt.cli ARGS...` as a real subprocess: with the shared compilation
+  cache and its own devices when `cache` is given, else in this process's environment."""
+  return subprocess.run([sys.executable, '-m', 'jaxckpt.cli', *args],
+                        cwd=cwd,
+                        capture_output=True,
+                        text=True,
+                        timeout=timeout,
+                        env=None if cache is None else subprocess_env(cache))
 
 
 def committed_steps(workdir) -> list[int]:
   root = Path(workdir) / 'checkpoints'
   if not root.is_dir():
     return []
-  return sorted(int(p.name[5:]) for p in root.iterdir()
-                if p.name.startswith('step_') and p.name[5:].isdigit()
-                and (p / 'manifest.json').is_file())
+  return sorted(
+      int(p.name[5:])
+      for p in root.iterdir()
+      if p.name.startswith('step_') and p.name[5:].isdigit() and (p / 'manifest.json').is_file())
 
 
-def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300.0,
+def wait_for(predicate,
+             proc: subprocess.Popen,
+             timeout: float = 300.0,
              every: float = 0.05) -> None:
   """Poll until `predicate()` holds; fail if the process ends first or time runs out.
 
@@ -95,12 +132,22 @@ def read_arrays(step_dir) -> dict[str, np.ndarray]:
   state = Path(step_dir) / 'state'
   if (state / 'index.json').exists():
     index = json.loads((state / 'index.json').read_text())['arrays']
-    return {name: np.fromfile(state / 'arrays.bin', dtype=np.dtype(a['dtype']),
-                              count=int(np.prod(a['shape'])), offset=a['offset']
-                              ).reshape(a['shape']) for name, a in index.items()}
+    return {
+        name:
+            np.fromfile(
+                state / 'arrays.bin',
+                dtype=np.dtype(a['dtype']),
+                count=int(np.prod(a['shape'])),
+                offset=a['offset']).reshape(a['shape']) for name, a in index.items()
+    }
   import orbax.checkpoint as ocp
   restored = ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).restore(state)
   return {k: np.asarray(v) for k, v in restored.items()}
+
+
+def checkpoint_arrays(workdir, step: int) -> dict[str, np.ndarray]:
+  """Every array of the run's checkpoint of `step`."""
+  return read_arrays(Path(workdir) / 'checkpoints' / f'step_{step:08d}')
 
 
 def assert_same_bytes(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
@@ -111,7 +158,19 @@ def assert_same_bytes(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> Non
 
 def read_events(workdir) -> list[dict]:
   from jaxckpt.runlog import read_jsonl
-  return read_jsonl(Path(workdir) / 'events.jsonl')
+  from jaxckpt.workdir import EVENTS
+  return read_jsonl(Path(workdir) / EVENTS)
+
+
+def events_of(workdir, name: str) -> list[dict]:
+  """The run's events named `name`, in order."""
+  return [e for e in read_events(workdir) if e['event'] == name]
+
+
+def losses(workdir) -> dict[int, float]:
+  """{step: loss} of the run's loss history (the newest segment's value of a replayed step)."""
+  from jaxckpt.runlog import read_loss_history
+  return {step: row['loss'] for step, row in read_loss_history(workdir).items()}
 
 
 def flip_a_data_byte(step_dir) -> None:
@@ -132,3 +191,58 @@ def call_cli(argv, capsys):
     code = e.code
   out = capsys.readouterr()
   return code, out.out, out.err
+
+
+def tiny_config(**fields):
+  """configs/tiny.py with `fields` ('train.lr': 5e-4) changed, as a flag would."""
+  from jaxckpt import provenance
+  config = provenance.load_config_file(TINY)
+  for name, value in fields.items():
+    *parents, leaf = name.split('.')
+    node = config
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def hf_logits(hf_dir, tokens: np.ndarray) -> np.ndarray:
+  """The logits of the Hugging Face GPT-2 directory `hf_dir` for `tokens`, read by transformers:
+  every weight found, nothing left over, float32."""
+  import torch
+  from transformers import GPT2LMHeadModel
+  model, info = GPT2LMHeadModel.from_pretrained(hf_dir, output_loading_info=True)
+  assert not info['missing_keys'] and not info['unexpected_keys'], info
+  assert model.dtype == torch.float32
+  model.eval()
+  with torch.no_grad():
+    return model(torch.from_numpy(tokens).long()).logits.numpy()
+
+
+# ------------------------------------------------------- a small sharded state, in-process
+@pytest.fixture(scope='module')
+def mesh():
+  """All 8 forced CPU devices as a (data 4, model 2) mesh."""
+  import jax
+  from jax.sharding import Mesh
+  return Mesh(np.asarray(jax.devices()).reshape(4, 2), ('data', 'model'))
+
+
+def make_state(mesh, seed: int = 0) -> dict:
+  """A small train state on `mesh`: sharded params, and an optimizer state with a scalar count,
+  Adam-like moments sharded as the params and a bfloat16 leaf on one device."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  w = jax.device_put(
+      jax.random.normal(jax.random.key(seed), (8, 16)), NamedSharding(mesh, P('data', 'model')))
+  b = jax.device_put(jnp.arange(16, dtype=jnp.float32), NamedSharding(mesh, P('model')))
+  opt = (jnp.int32(7), {'mu': {'w': w * 2, 'b': b * 2},
+                        'nu': {'w': w * 3, 'b': b * 3}}, jnp.ones(3, jnp.bfloat16))
+  return {'params': {'w': w, 'b': b}, 'opt_state': opt}
+
+
+def abstract(tree):
+  """A restore target for `tree`: each leaf's shape, dtype and sharding."""
+  import jax
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)

@@ -20,8 +20,7 @@ CASES = [
     ('config without get_config', ['--config={inputs}/no_get_config.py'], 'E-CONFIG-007',
      'no_get_config.py'),
     ('config get_config raises', ['--config={inputs}/raises.py'], 'E-CONFIG-007', 'raises.py'),
-    ('unknown config field', ['--config.train.nonexistent=1'], 'E-CONFIG-008',
-     'train.nonexistent'),
+    ('unknown config field', ['--config.train.nonexistent=1'], 'E-CONFIG-008', 'train.nonexistent'),
     ('unknown config section', ['--config.nosection.x=1'], 'E-CONFIG-008', 'nosection'),
     ('workdir cannot be created', ['--workdir=/proc/jaxckpt/run'], 'E-USAGE-005',
      '/proc/jaxckpt/run'),
@@ -36,7 +35,7 @@ CASES = [
 @pytest.fixture(scope='module')
 def finished_run(trainer, tmp_path_factory) -> Path:
   workdir = tmp_path_factory.mktemp('finished')
-  r = trainer.run(workdir, *RUN)
+  r = trainer.train(workdir, *RUN)
   assert r.returncode == 0, r.stderr
   assert committed_steps(workdir) == [5, 10]
   return workdir
@@ -55,15 +54,18 @@ def inputs(tmp_path_factory) -> Path:
 
 def snapshot(workdir: Path) -> dict[str, tuple[bytes, int]]:
   """Bytes and mtime of every file under checkpoints/."""
-  return {str(p.relative_to(workdir)): (p.read_bytes(), p.stat().st_mtime_ns)
-          for p in sorted((workdir / 'checkpoints').rglob('*')) if p.is_file()}
+  return {
+      str(p.relative_to(workdir)): (p.read_bytes(), p.stat().st_mtime_ns)
+      for p in sorted((workdir / 'checkpoints').rglob('*'))
+      if p.is_file()
+  }
 
 
 @pytest.mark.parametrize('flags, code, names', [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_exit_2_and_touches_nothing(trainer, finished_run, inputs, flags,
                                                           code, names):
   before = snapshot(finished_run)
-  r = trainer.run(finished_run, *RUN, *(f.format(inputs=inputs) for f in flags))
+  r = trainer.train(finished_run, *RUN, *(f.format(inputs=inputs) for f in flags))
   assert r.returncode == 2, r.stderr
   assert 'Traceback' not in r.stderr, r.stderr
   lines = r.stderr.strip().splitlines()
@@ -73,6 +75,6 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(trainer, finished_run,
 
 
 def test_an_unknown_field_lists_the_section_fields(trainer, finished_run):
-  r = trainer.run(finished_run, *RUN, '--config.train.nonexistent=1')
+  r = trainer.train(finished_run, *RUN, '--config.train.nonexistent=1')
   line = r.stderr.strip().splitlines()[-1]
   assert 'batch_size, ' in line and ', steps, ' in line, line

@@ -13,8 +13,7 @@ import time
 
 import pytest
 
-from conftest import assert_same_bytes, read_arrays, read_events, wait_for
-from jaxckpt.runlog import read_loss_history
+from conftest import assert_same_bytes, checkpoint_arrays, events_of, losses, wait_for
 
 SHORT_STEPS = 150
 LONG_STEPS = 3000  # enough that 100 short lives do not reach the end
@@ -22,8 +21,7 @@ LONG_STEPS = 3000  # enough that 100 short lives do not reach the end
 
 def flags(steps: int) -> tuple[str, ...]:
   return (f'--config.train.steps={steps}', '--checkpoint_every=2', '--checkpoint_mode=async',
-          '--keep=2', '--config.train.log_every=1', '--config.samples.every=50',
-          '--export_every=0')
+          '--keep=2', '--config.train.log_every=1', '--config.samples.every=50', '--export_every=0')
 
 
 def loss_lines(workdir):
@@ -31,8 +29,7 @@ def loss_lines(workdir):
   return path.read_text().count('\n') if path.exists() else 0
 
 
-def chaos(trainer, workdir, straight, kills: int, seed: int, steps: int,
-          max_life: float) -> dict:
+def chaos(trainer, workdir, straight, kills: int, seed: int, steps: int, max_life: float) -> dict:
   """Kill and restart until `kills` kills (or the run ends); then finish and compare."""
   run_flags = flags(steps)
   rng = random.Random(seed)
@@ -58,26 +55,24 @@ def chaos(trainer, workdir, straight, kills: int, seed: int, steps: int,
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     stats['kills'] += 1
-  final = trainer.run(workdir, *run_flags)
+  final = trainer.train(workdir, *run_flags)
   assert final.returncode == 0, final.stderr
-  stats['restarts'] = sum(1 for e in read_events(workdir) if e['event'] == 'resumed')
-  assert_same_bytes(read_arrays(workdir / 'checkpoints' / f'step_{steps:08d}'),
-                    read_arrays(straight / 'checkpoints' / f'step_{steps:08d}'))
-  assert ({s: r['loss'] for s, r in read_loss_history(workdir).items()}
-          == {s: r['loss'] for s, r in read_loss_history(straight).items()})
+  stats['restarts'] = len(events_of(workdir, 'resumed'))
+  assert_same_bytes(checkpoint_arrays(workdir, steps), checkpoint_arrays(straight, steps))
+  assert losses(workdir) == losses(straight)
   return stats
 
 
 def straight_run(trainer, workdir, steps):
-  r = trainer.run(workdir, *flags(steps))
+  r = trainer.train(workdir, *flags(steps))
   assert r.returncode == 0, r.stderr
   return workdir
 
 
 def test_chaos_short(trainer, tmp_path):
   straight = straight_run(trainer, tmp_path / 'straight', SHORT_STEPS)
-  stats = chaos(trainer, tmp_path / 'run', straight, kills=4, seed=0, steps=SHORT_STEPS,
-                max_life=1.5)
+  stats = chaos(
+      trainer, tmp_path / 'run', straight, kills=4, seed=0, steps=SHORT_STEPS, max_life=1.5)
   print('chaos:', stats)
   assert stats['restarts'] >= 2  # the kills landed after commits, not only before the first
 
@@ -86,7 +81,7 @@ def test_chaos_short(trainer, tmp_path):
 def test_chaos_long(trainer, tmp_path):
   kills = int(os.environ.get('JAXCKPT_CHAOS_KILLS', '100'))
   straight = straight_run(trainer, tmp_path / 'straight', LONG_STEPS)
-  stats = chaos(trainer, tmp_path / 'run', straight, kills=kills, seed=1, steps=LONG_STEPS,
-                max_life=0.5)
+  stats = chaos(
+      trainer, tmp_path / 'run', straight, kills=kills, seed=1, steps=LONG_STEPS, max_life=0.5)
   print('chaos:', stats)
   assert stats['kills'] == kills  # the kills, not the end of training, ended the loop

@@ -3,6 +3,8 @@
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,25 +12,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from conftest import REPO, abstract, make_state
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, committed_steps
-from jaxckpt.checkpoint import layout, staging
+from jaxckpt.checkpoint import atomic, layout, staging
 from jaxckpt.errors import CheckpointError
-
-
-@pytest.fixture(scope='module')
-def mesh():
-  return Mesh(np.asarray(jax.devices()).reshape(4, 2), ('data', 'model'))
-
-
-def make_state(mesh, seed=0):
-  k = jax.random.key(seed)
-  w = jax.device_put(jax.random.normal(k, (8, 16)), NamedSharding(mesh, P('data', 'model')))
-  b = jax.device_put(jnp.arange(16, dtype=jnp.float32), NamedSharding(mesh, P('model')))
-  return {'params': {'w': w, 'b': b}, 'opt': (jnp.int32(7), {'mu': jnp.ones(3, jnp.bfloat16)})}
-
-
-def abstract(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
 def host(tree):
@@ -55,8 +42,8 @@ def test_restore_onto_another_mesh(mesh, tmp_path, storage):
   with CheckpointManager(tmp_path, CheckpointOptions(storage=storage)) as mgr:
     mgr.save(1, state)
   one = Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ('data', 'model'))
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                       sharding=NamedSharding(one, P())), state)
+  target = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(one, P())), state)
   restored, _ = CheckpointManager(tmp_path).restore(1, target)
   assert host(restored) == host(state)
   assert restored['params']['w'].sharding.mesh.devices.size == 1
@@ -161,8 +148,7 @@ def test_retention_keeps_last_k_and_every_p_th(mesh, tmp_path):
 
 def test_time_cadence_with_an_injected_clock(mesh, tmp_path):
   now = [100.0]
-  mgr = CheckpointManager(tmp_path, CheckpointOptions(every_secs=30, keep=0),
-                          clock=lambda: now[0])
+  mgr = CheckpointManager(tmp_path, CheckpointOptions(every_secs=30, keep=0), clock=lambda: now[0])
   saved = []
   for step in range(1, 13):
     now[0] += 7.0  # each step takes 7 s
@@ -275,16 +261,15 @@ def test_a_failed_replacement_leaves_the_old_checkpoint_committed_and_intact(
   old = make_state(mesh, seed=0)
   with CheckpointManager(tmp_path, CheckpointOptions(keep=0)) as mgr:
     mgr.save(1, old)
-  before = {p.name: p.read_bytes() for p in (tmp_path / 'step_00000001').rglob('*')
-            if p.is_file()}
-  real = layout.write_file_durably
+  before = {p.name: p.read_bytes() for p in (tmp_path / 'step_00000001').rglob('*') if p.is_file()}
+  real = atomic.write_file_durably
 
   def manifest_write_fails(path, data):  # the disk fills up as the new manifest is written
     if path.name == layout.MANIFEST:
       raise OSError(28, 'No space left on device')
     real(path, data)
 
-  monkeypatch.setattr(layout, 'write_file_durably', manifest_write_fails)
+  monkeypatch.setattr(atomic, 'write_file_durably', manifest_write_fails)
   with pytest.raises(CheckpointError, match='E-CKPT-001'):
     with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
       mgr.save(1, make_state(mesh, seed=1))
@@ -295,36 +280,37 @@ def test_a_failed_replacement_leaves_the_old_checkpoint_committed_and_intact(
   assert CheckpointManager(tmp_path).verify(1) == []
 
 
-REPLACE_AND_DIE = '''
+REPLACE_AND_DIE = """
 import os, sys
 import jax.numpy as jnp
-from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, layout
+from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, atomic
 where, directory, value = sys.argv[1], sys.argv[2], float(sys.argv[3])
-real = layout.exchange
+real = atomic.exchange
 def exchange(a, b):
   if where == 'before':
     os._exit(9)
   real(a, b)
   os._exit(9)  # swapped, the old version not yet removed
-layout.exchange = exchange
+atomic.exchange = exchange
 with CheckpointManager(directory, CheckpointOptions(keep=0, mode='sync')) as mgr:
   mgr.save(1, {'w': jnp.full((4,), value)})
-'''
+"""
 
 
 @pytest.mark.parametrize('where, expect', [('before', 1.0), ('after', 2.0)])
 def test_a_crash_while_replacing_a_step_leaves_one_intact_version(tmp_path, where, expect):
   """SIGKILL-like exits on either side of the swap: the step is the old or the new checkpoint."""
-  import subprocess
-  import sys
-  from conftest import REPO
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
   env.update(JAX_PLATFORMS='cpu', PYTHONPATH=str(REPO))
   for value in ('1.0', '2.0'):
     code = REPLACE_AND_DIE if value == '2.0' else REPLACE_AND_DIE.replace(
-        'layout.exchange = exchange', '')
-    r = subprocess.run([sys.executable, '-c', code, where, str(tmp_path), value], env=env,
-                       capture_output=True, text=True, timeout=120)
+        'atomic.exchange = exchange', '')
+    r = subprocess.run(
+        [sys.executable, '-c', code, where, str(tmp_path), value],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120)
     assert r.returncode == (9 if value == '2.0' else 0), r.stderr
   mgr = CheckpointManager(tmp_path)  # a writer: removes the debris the crash left
   assert mgr.all_steps() == [1] and mgr.verify(1) == []
@@ -348,8 +334,7 @@ def test_retention_that_cannot_delete_warns_and_the_commit_stands(mesh, tmp_path
   assert 'could not delete step 1' in caplog.text
 
 
-def test_auto_mode_short_of_memory_writes_inline_without_a_staged_copy(mesh, tmp_path,
-                                                                       monkeypatch):
+def test_auto_mode_short_of_memory_writes_inline_without_a_staged_copy(mesh, tmp_path, monkeypatch):
   from jaxckpt.checkpoint import manager as manager_lib
   monkeypatch.setattr(manager_lib, 'available_host_memory', lambda: 1 << 10)
   state = make_state(mesh)

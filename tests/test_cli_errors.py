@@ -1,13 +1,11 @@
 """Resume modes and bad input: one line naming the problem and the fix, exit 2, no traceback."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from conftest import committed_steps, flip_a_data_byte, read_events
-from jaxckpt import inspection
+from conftest import committed_steps, events_of, flip_a_data_byte, jaxckpt_cli
+from jaxckpt.checkpoint import discovery
 
 FLAGS = ('--config.train.steps=20', '--checkpoint_every=10')
 
@@ -15,7 +13,7 @@ FLAGS = ('--config.train.steps=20', '--checkpoint_every=10')
 @pytest.fixture(scope='module')
 def finished_run(trainer, tmp_path_factory):
   workdir = tmp_path_factory.mktemp('finished')
-  r = trainer.run(workdir, *FLAGS)
+  r = trainer.train(workdir, *FLAGS)
   assert r.returncode == 0, r.stderr
   return workdir
 
@@ -29,57 +27,55 @@ def assert_refused(result, code: str) -> str:
 
 
 def test_resume_none_refuses_a_workdir_with_checkpoints(trainer, finished_run):
-  line = assert_refused(trainer.run(finished_run, *FLAGS, '--resume=none'), 'E-RESUME-001')
+  line = assert_refused(trainer.train(finished_run, *FLAGS, '--resume=none'), 'E-RESUME-001')
   assert 'fork' in line and '--resume=latest' in line
   assert committed_steps(finished_run) == [10, 20]
 
 
 def test_resume_mode_from_environment(trainer, finished_run):
-  assert_refused(trainer.run(finished_run, *FLAGS, env={'JAXCKPT_RESUME': 'none'}),
-                 'E-RESUME-001')
+  assert_refused(
+      trainer.train(finished_run, *FLAGS, env={'JAXCKPT_RESUME': 'none'}), 'E-RESUME-001')
 
 
 def test_resume_none_starts_fresh_in_an_empty_workdir(trainer, tmp_path):
-  r = trainer.run(tmp_path, '--config.train.steps=10', '--resume=none')
+  r = trainer.train(tmp_path, '--config.train.steps=10', '--resume=none')
   assert r.returncode == 0, r.stderr
   assert committed_steps(tmp_path) == [10]
-  assert not [e for e in read_events(tmp_path) if e['event'] == 'resumed']
+  assert not events_of(tmp_path, 'resumed')
 
 
 def test_resume_path_that_is_not_a_checkpoint(trainer, finished_run, tmp_path):
-  line = assert_refused(trainer.run(tmp_path, *FLAGS, f'--resume={tmp_path}/nowhere'),
-                        'E-RESUME-003')
+  line = assert_refused(
+      trainer.train(tmp_path, *FLAGS, f'--resume={tmp_path}/nowhere'), 'E-RESUME-003')
   assert 'step_<n>' in line
   partial = tmp_path / 'step_00000010'
   shutil.copytree(finished_run / 'checkpoints' / 'step_00000010', partial)
   (partial / 'manifest.json').unlink()  # uncommitted: never a resume point
-  assert_refused(trainer.run(tmp_path / 'w', *FLAGS, f'--resume={partial}'), 'E-RESUME-003')
+  assert_refused(trainer.train(tmp_path / 'w', *FLAGS, f'--resume={partial}'), 'E-RESUME-003')
 
 
-
-
-def test_latest_passes_over_data_that_fails_its_checksum_while_loading(trainer, finished_run,
-                                                                        tmp_path):
+def test_latest_passes_over_data_that_fails_its_checksum_while_loading(
+    trainer, finished_run, tmp_path):
   """The checksum of the array data is checked while it is restored (one read, not a separate
   verification pass), and a mismatch there is passed over like any damaged checkpoint."""
   workdir = tmp_path / 'run'
   shutil.copytree(finished_run, workdir)
   flip_a_data_byte(workdir / 'checkpoints' / 'step_00000020')
-  r = trainer.run(workdir, '--config.train.steps=30', '--checkpoint_every=10')
+  r = trainer.train(workdir, '--config.train.steps=30', '--checkpoint_every=10')
   assert r.returncode == 0, r.stderr
   warning = [line for line in r.stderr.splitlines() if 'passing over' in line]
   assert len(warning) == 1 and 'step_00000020' in warning[0] and 'checksum mismatch' in warning[0]
-  resumed = [e for e in read_events(workdir) if e['event'] == 'resumed']
+  resumed = events_of(workdir, 'resumed')
   assert [e['step'] for e in resumed] == [10]
   assert committed_steps(workdir) == [10, 20, 30]
-  assert inspection.check(workdir / 'checkpoints' / 'step_00000020') == []  # written again
+  assert discovery.problems(workdir / 'checkpoints' / 'step_00000020') == []  # written again
 
 
 def test_an_explicit_checkpoint_whose_data_is_damaged_is_refused(trainer, finished_run, tmp_path):
   damaged = tmp_path / 'step_00000020'
   shutil.copytree(finished_run / 'checkpoints' / 'step_00000020', damaged)
   flip_a_data_byte(damaged)
-  r = trainer.run(tmp_path / 'w', *FLAGS, f'--resume={damaged}')
+  r = trainer.train(tmp_path / 'w', *FLAGS, f'--resume={damaged}')
   assert r.returncode == 1, r.stderr
   assert 'Traceback' not in r.stderr
   line = r.stderr.strip().splitlines()[-1]
@@ -89,7 +85,7 @@ def test_an_explicit_checkpoint_whose_data_is_damaged_is_refused(trainer, finish
 
 def test_unlistable_checkpoint_location_is_an_error_not_a_fresh_start(trainer, tmp_path):
   (tmp_path / 'checkpoints').write_text('not a directory')
-  line = assert_refused(trainer.run(tmp_path, *FLAGS), 'E-RESUME-002')
+  line = assert_refused(trainer.train(tmp_path, *FLAGS), 'E-RESUME-002')
   assert 'cannot list' in line
   assert not (tmp_path / 'events.jsonl').exists()
 
@@ -102,17 +98,21 @@ def test_unlistable_checkpoint_location_is_an_error_not_a_fresh_start(trainer, t
     ('--config.data.sources.main=("/no/such/file.txt",)', 'E-DATA-001'),
 ])
 def test_bad_input_is_one_line_and_exit_2(trainer, tmp_path, flag, code):
-  assert_refused(trainer.run(tmp_path, flag), code)
+  assert_refused(trainer.train(tmp_path, flag), code)
 
 
 def test_relative_workdir(trainer, tmp_path):
   """The README's quick start passes a relative --workdir."""
-  r = trainer.run('runs/tiny', '--config.train.steps=10', '--checkpoint_every=5', cwd=tmp_path)
+  r = trainer.train('runs/tiny', '--config.train.steps=10', '--checkpoint_every=5', cwd=tmp_path)
   assert r.returncode == 0, r.stderr
   assert committed_steps(tmp_path / 'runs' / 'tiny') == [5, 10]
   assert (tmp_path / 'runs/tiny/exports/step_00000010/hf/config.json').is_file()
-  export = subprocess.run([sys.executable, '-m', 'jaxckpt.cli', 'export',
-                           'runs/tiny/checkpoints/step_00000010', '--format=bin', '--out=x.bin'],
-                          cwd=tmp_path, capture_output=True, text=True)
+  export = jaxckpt_cli(
+      'export',
+      'runs/tiny/checkpoints/step_00000010',
+      '--format=bin',
+      '--out=x.bin',
+      cwd=tmp_path,
+      timeout=None)
   assert export.returncode == 0, export.stderr
   assert (tmp_path / 'x.bin').stat().st_size == 8 + 12 * 136_960

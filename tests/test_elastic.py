@@ -4,15 +4,16 @@ import signal
 
 import numpy as np
 
-from conftest import committed_steps, read_events, wait_for
-from jaxckpt.runlog import read_loss_history
+from conftest import committed_steps, events_of, losses, wait_for
 
 STEPS = 200
 FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=10', '--keep=0',
          '--config.train.log_every=10')
-MESH = {8: ('--config.mesh.data=4', '--config.mesh.model=2'),
-        4: ('--config.mesh.data=2', '--config.mesh.model=2'),
-        1: ('--config.mesh.data=1', '--config.mesh.model=1')}
+MESH = {
+    8: ('--config.mesh.data=4', '--config.mesh.model=2'),
+    4: ('--config.mesh.data=2', '--config.mesh.model=2'),
+    1: ('--config.mesh.data=1', '--config.mesh.model=1')
+}
 
 
 def stop_after_a_commit(trainer, workdir, devices):
@@ -27,23 +28,23 @@ def stop_after_a_commit(trainer, workdir, devices):
 
 def test_eight_to_four_to_one_device(trainer, tmp_path):
   straight = tmp_path / 'straight'
-  r = trainer.run(straight, *FLAGS, *MESH[8], devices=8)
+  r = trainer.train(straight, *FLAGS, *MESH[8], devices=8)
   assert r.returncode == 0, r.stderr
 
-  run = tmp_path / 'run'
-  stop_after_a_commit(trainer, run, 8)
-  stop_after_a_commit(trainer, run, 4)
-  r = trainer.run(run, *FLAGS, *MESH[1], devices=1)
+  workdir = tmp_path / 'run'
+  stop_after_a_commit(trainer, workdir, 8)
+  stop_after_a_commit(trainer, workdir, 4)
+  r = trainer.train(workdir, *FLAGS, *MESH[1], devices=1)
   assert r.returncode == 0, r.stderr
 
-  resumed = [e for e in read_events(run) if e['event'] == 'resumed']
+  resumed = events_of(workdir, 'resumed')
   assert len(resumed) == 2
   assert 'devices 8 -> 4' in resumed[0]['changes']
   assert 'devices 4 -> 1' in resumed[1]['changes']
   assert any(line.startswith('mesh ') for line in resumed[1]['changes'])
 
-  ref = {s: r['loss'] for s, r in read_loss_history(straight).items()}
-  got = {s: r['loss'] for s, r in read_loss_history(run).items()}
+  ref = losses(straight)
+  got = losses(workdir)
   assert sorted(got) == list(range(1, STEPS + 1))
   first_resume = resumed[0]['step']
   # Up to the first resume the runs are the same program: identical. After it the mesh differs,

@@ -11,12 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from conftest import REPO, committed_steps, subprocess_env
+from conftest import (REPO, TINY, abstract, committed_steps, jaxckpt_cli, make_state,
+                      subprocess_env)
 from jaxckpt import cli, evaluate, identity
 from jaxckpt.checkpoint import CheckpointManager, layout, manifest
 from jaxckpt.errors import ConfigError
+from jaxckpt import provenance
+from jaxckpt import workdir as workdir_lib
 
 STEPS, EVERY = 60, 10
 
@@ -25,30 +27,14 @@ def is_params(name):
   return name.startswith('params/')
 
 
-def make_state(mesh):
-  w = jax.device_put(jax.random.normal(jax.random.key(0), (8, 16)),
-                     NamedSharding(mesh, P('data', 'model')))
-  b = jax.device_put(jnp.arange(16, dtype=jnp.float32), NamedSharding(mesh, P('model')))
-  opt = (jnp.int32(7), {'mu': {'w': w * 2, 'b': b * 2}, 'nu': {'w': w * 3, 'b': b * 3}})
-  return {'params': {'w': w, 'b': b}, 'opt_state': opt}
-
-
-def abstract(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-
-
-@pytest.fixture(scope='module')
-def mesh():
-  return Mesh(np.asarray(jax.devices()).reshape(4, 2), ('data', 'model'))
-
-
 # -------------------------------------------------------------- restoring weights alone
 def test_restore_only_the_params(mesh, tmp_path):
   state = make_state(mesh)
   with CheckpointManager(tmp_path) as mgr:
     mgr.save(1, state)
-  restored, run_state = CheckpointManager(tmp_path, writer=False).restore(
-      1, {'params': abstract(state['params'])}, only=is_params)
+  restored, run_state = CheckpointManager(
+      tmp_path, writer=False).restore(
+          1, {'params': abstract(state['params'])}, only=is_params)
   assert set(restored) == {'params'} and run_state == {'step': 1}
   for k in ('w', 'b'):
     assert np.asarray(restored['params'][k]).tobytes() == np.asarray(state['params'][k]).tobytes()
@@ -82,9 +68,12 @@ def test_only_still_checks_the_tensors_it_reads(mesh, tmp_path):
   state = make_state(mesh)
   with CheckpointManager(tmp_path) as mgr:
     mgr.save(1, state)
-  wrong = {'params': {'w': jax.ShapeDtypeStruct((8, 8), jnp.float32,
-                                                sharding=state['params']['w'].sharding),
-                      'b': abstract(state['params']['b'])}}
+  wrong = {
+      'params': {
+          'w': jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=state['params']['w'].sharding),
+          'b': abstract(state['params']['b'])
+      }
+  }
   with pytest.raises(Exception, match='E-PARAM-002.*params/w'):
     CheckpointManager(tmp_path, writer=False).restore(1, wrong, only=is_params)
 
@@ -96,9 +85,14 @@ def followed(trainer, compile_cache, tmp_path_factory):
   workdir = tmp_path_factory.mktemp('followed')
   log = workdir.parent / f'{workdir.name}-evaluator.log'
   with open(log, 'w') as out:
-    ev = subprocess.Popen([sys.executable, '-m', 'jaxckpt.cli', 'evaluate',
-                           f'--workdir={workdir}', '--follow', '--poll_secs=0.1'], cwd=REPO,
-                          stdout=out, stderr=subprocess.STDOUT, text=True,
+    ev = subprocess.Popen([
+        sys.executable, '-m', 'jaxckpt.cli', 'evaluate', f'--workdir={workdir}', '--follow',
+        '--poll_secs=0.1'
+    ],
+                          cwd=REPO,
+                          stdout=out,
+                          stderr=subprocess.STDOUT,
+                          text=True,
                           env=subprocess_env(compile_cache))
   train = None
   try:
@@ -106,8 +100,8 @@ def followed(trainer, compile_cache, tmp_path_factory):
     while 'waiting for new checkpoints' not in log.read_text():  # ready before the run starts
       assert ev.poll() is None and time.monotonic() < deadline, log.read_text()
       time.sleep(0.05)
-    train = trainer.start(workdir, f'--config.train.steps={STEPS}',
-                          f'--checkpoint_every={EVERY}', '--keep=0')
+    train = trainer.start(workdir, f'--config.train.steps={STEPS}', f'--checkpoint_every={EVERY}',
+                          '--keep=0')
     train_out, _ = train.communicate(timeout=240)
     assert train.returncode == 0, train_out
     ev.wait(timeout=120)  # it stops by itself after the finished checkpoint
@@ -129,7 +123,7 @@ def test_evaluator_follows_a_live_run_each_checkpoint_once(followed):
   assert out.splitlines()[0].startswith('waiting for new checkpoints')  # before any existed
   assert out.splitlines()[-1].endswith('all its checkpoints are evaluated')
   assert 'Traceback' not in out and 'warn' not in out.lower()
-  results = json.loads((workdir / evaluate.RESULTS).read_text())
+  results = json.loads((workdir / workdir_lib.EVALUATED).read_text())
   assert list(results) == [str(s) for s in steps]
   for step in steps:
     r = results[str(step)]
@@ -139,27 +133,26 @@ def test_evaluator_follows_a_live_run_each_checkpoint_once(followed):
   assert results['60']['heldout_loss'] < results['10']['heldout_loss']
   # Nothing but committed step directories: the evaluator wrote nothing among the checkpoints.
   assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == [
-      layout.step_dirname(s) for s in steps]
+      layout.step_dirname(s) for s in steps
+  ]
 
 
 def test_a_restarted_evaluator_evaluates_nothing_again(followed, compile_cache):
   workdir, _ = followed
-  before = (workdir / evaluate.RESULTS).read_text()
+  before = (workdir / workdir_lib.EVALUATED).read_text()
   for follow in (['--follow'], []):
-    r = subprocess.run([sys.executable, '-m', 'jaxckpt.cli', 'evaluate', f'--workdir={workdir}',
-                        *follow], cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env=subprocess_env(compile_cache))
+    r = jaxckpt_cli('evaluate', f'--workdir={workdir}', *follow, cache=compile_cache)
     assert r.returncode == 0, r.stderr
     assert not [l for l in r.stdout.splitlines() if l.startswith('step ')]
-  assert (workdir / evaluate.RESULTS).read_text() == before
+  assert (workdir / workdir_lib.EVALUATED).read_text() == before
 
 
 def test_a_rewritten_checkpoint_is_evaluated_again(followed, tmp_path):
   workdir, _ = followed
-  results = json.loads((workdir / evaluate.RESULTS).read_text())
+  results = json.loads((workdir / workdir_lib.EVALUATED).read_text())
   results['30']['committed_at'] -= 1  # as if a resumed run had written step 30 again since
   (tmp_path / 'checkpoints').symlink_to(workdir / 'checkpoints')
-  (tmp_path / evaluate.RESULTS).write_text(json.dumps(results))
+  (tmp_path / workdir_lib.EVALUATED).write_text(json.dumps(results))
   ev = evaluate.Evaluator(tmp_path)
   assert [step for step, _, _ in ev.pending()] == [30]
   assert ev.finished()
@@ -167,16 +160,17 @@ def test_a_rewritten_checkpoint_is_evaluated_again(followed, tmp_path):
 
 def test_one_evaluator_per_workdir(followed, capsys):
   workdir, _ = followed
-  with evaluate._EvaluatorLock(workdir):
+  with workdir_lib.EvaluatorLock(workdir):
     with pytest.raises(SystemExit) as e:
       cli.main(['evaluate', f'--workdir={workdir}'])
   assert e.value.code == 2
-  assert capsys.readouterr().err.startswith('jaxckpt: E-EVAL-001: another evaluator')
+  err = capsys.readouterr().err
+  assert err.startswith('jaxckpt: E-EVAL-001: ') and 'in use by another evaluator' in err
 
 
 def test_evaluate_usage(tmp_path, capsys):
-  for argv, code in ((['evaluate'], 'E-USAGE-001'), (['evaluate', '--workdir=x', '--poll_secs=0'],
-                                                     'E-USAGE-001'),
+  for argv, code in ((['evaluate'], 'E-USAGE-001'), (['evaluate', '--workdir=x',
+                                                      '--poll_secs=0'], 'E-USAGE-001'),
                      ([f'--workdir={tmp_path / "nowhere"}'], 'E-EVAL-003')):
     with pytest.raises(SystemExit) as e:
       cli.main(argv if argv[0] == 'evaluate' else ['evaluate', *argv])
@@ -197,29 +191,31 @@ def test_a_damaged_checkpoint_is_warned_about_once_and_the_others_evaluated(foll
   assert ev.run_once() == ([60], True)
   assert ev.run_once() == ([], True)
   assert len(warnings) == 1 and 'step 50: not evaluated: E-CKPT-003' in warnings[0]
-  results = json.loads((tmp_path / evaluate.RESULTS).read_text())
+  results = json.loads((tmp_path / workdir_lib.EVALUATED).read_text())
   assert list(results) == ['60']
   # The same weights give the same loss, on 8 devices here as on the follower's 1.
-  expected = json.loads((workdir / evaluate.RESULTS).read_text())['60']['heldout_loss']
+  expected = json.loads((workdir / workdir_lib.EVALUATED).read_text())['60']['heldout_loss']
   assert results['60']['heldout_loss'] == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_mesh_that_does_not_fit_here_falls_back_to_one_device():
-  config = identity.load_config_file(REPO / 'configs' / 'tiny.py')
+  config = provenance.load_config_file(TINY)
   config.mesh.data, config.mesh.model = 4, 4  # written on 16 devices; this process has 8
   trainer = evaluate._build_trainer(config)
   assert trainer.mesh.size == 1
-  config = identity.load_config_file(REPO / 'configs' / 'tiny.py')
+  config = provenance.load_config_file(TINY)
   config.train.batch_size = 4  # written on 4 devices with mesh.data=-1: here all 8, 4 % 8 != 0
   assert evaluate._build_trainer(config).mesh.size == 1
 
 
 def test_any_other_config_error_is_raised_not_retried_on_one_device(monkeypatch):
-  from jaxckpt import train
+  from jaxckpt import trainer as trainer_lib
+
   def refuse(train_cfg):
     raise ConfigError('E-CONFIG-001', 'train.b1=2.0 must be below 1', 'set --config.train.b1')
-  monkeypatch.setattr(train, 'make_optimizer', refuse)
-  config = identity.load_config_file(REPO / 'configs' / 'tiny.py')
+
+  monkeypatch.setattr(trainer_lib, 'make_optimizer', refuse)
+  config = provenance.load_config_file(TINY)
   config.mesh.data, config.mesh.model = 4, 2  # fits this process's 8 devices
   with pytest.raises(ConfigError, match='E-CONFIG-001: train.b1'):
     evaluate._build_trainer(config)
@@ -238,16 +234,17 @@ def one_pending(followed, tmp_path):
   return ev, warnings, (step, path, meta)
 
 
-def test_a_checkpoint_retention_deletes_while_it_is_evaluated_is_skipped(one_pending,
-                                                                        monkeypatch):
+def test_a_checkpoint_retention_deletes_while_it_is_evaluated_is_skipped(one_pending, monkeypatch):
   ev, warnings, (step, path, meta) = one_pending
   real, gone = manifest.crc32_file, []
+
   def retire_then_read(file, **kw):  # retention renames the checkpoint away, then deletes it
     if not gone:
       gone.append(layout.deleting_dir(path.parent, step))
       path.rename(gone[0])
       shutil.rmtree(gone[0])
     return real(file, **kw)
+
   monkeypatch.setattr(manifest, 'crc32_file', retire_then_read)
   assert ev.evaluate(step, path, meta) is None and gone
   assert len(warnings) == 1 and 'was deleted (retention) before it could be evaluated' in \
@@ -255,12 +252,13 @@ def test_a_checkpoint_retention_deletes_while_it_is_evaluated_is_skipped(one_pen
   assert evaluate.read_results(ev.workdir) == {}
 
 
-def test_a_bug_while_evaluating_is_raised_even_if_the_checkpoint_vanished(one_pending,
-                                                                        monkeypatch):
+def test_a_bug_while_evaluating_is_raised_even_if_the_checkpoint_vanished(one_pending, monkeypatch):
   ev, warnings, (step, path, meta) = one_pending
+
   def vanish_then_fail(step_dir, manifest):
     shutil.rmtree(step_dir)
     raise TypeError('a bug in the reader')  # not the deletion's doing: it must surface
+
   monkeypatch.setattr(identity, 'read_excluded', vanish_then_fail)
   with pytest.raises(TypeError, match='a bug in the reader'):
     ev.evaluate(step, path, meta)

@@ -4,12 +4,8 @@ Each format is checked by a reader that is not jaxckpt's: torch/transformers for
 HF, a few lines of numpy written here for the `.bin`.
 """
 
-import os
-
-os.environ['HF_HUB_OFFLINE'] = '1'  # from_pretrained on a local directory; never the network
-os.environ['TRANSFORMERS_OFFLINE'] = '1'
-
 import json
+import os
 import shutil
 import signal
 import struct
@@ -27,15 +23,13 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from transformers import GPT2LMHeadModel
 
-from conftest import REPO, read_arrays
-from jaxckpt import model as model_lib
+from conftest import REPO, hf_logits, read_arrays
+from jaxckpt import model as model_lib, names
 from jaxckpt.errors import CheckpointError, ResumeError, UsageError
 from jaxckpt.export import flatbin, hf, offline, safetensors_io
 
-TINY_MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32,
-                  dtype='float32')
+TINY_MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dtype='float32')
 
 
 def model_config(tied: bool) -> ml_collections.ConfigDict:
@@ -46,8 +40,7 @@ def jax_logits(cfg, flat: dict, tokens: np.ndarray) -> np.ndarray:
   """The JAX model's logits for `tokens` with the parameters `flat` ({dotted name: array})."""
   model = model_lib.from_config(cfg)
   boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.asarray(tokens)))['params']
-  params = model_lib.unflatten_params({k: jnp.asarray(v) for k, v in flat.items()},
-                                      nn.unbox(boxed))
+  params = model_lib.unflatten_params({k: jnp.asarray(v) for k, v in flat.items()}, nn.unbox(boxed))
   return np.asarray(model.apply({'params': params}, jnp.asarray(tokens)))  # (B, T, V)
 
 
@@ -65,8 +58,10 @@ def models():
     cfg = model_config(tied)
     variables = model_lib.from_config(cfg).init(jax.random.key(1), jnp.asarray(tokens))
     flat = model_lib.flatten_params(nn.unbox(variables['params']), cfg)
-    flat = {k: (np.asarray(v) + rng.normal(0, 0.05, v.shape)).astype(np.float32)
-            for k, v in flat.items()}
+    flat = {
+        k: (np.asarray(v) + rng.normal(0, 0.05, v.shape)).astype(np.float32)
+        for k, v in flat.items()
+    }
     out[tied] = (cfg, flat, tokens, jax_logits(cfg, flat, tokens))
   return out
 
@@ -76,22 +71,13 @@ def adam_like(params: dict, seed: int) -> dict:
   return {k: rng.normal(size=v.shape).astype(np.float32) for k, v in params.items()}
 
 
-def torch_logits(hf_dir, tokens: np.ndarray) -> np.ndarray:
-  model, info = GPT2LMHeadModel.from_pretrained(hf_dir, output_loading_info=True)
-  assert not info['missing_keys'] and not info['unexpected_keys'], info
-  assert model.dtype == torch.float32
-  model.eval()
-  with torch.no_grad():
-    return model(torch.from_numpy(tokens).long()).logits.numpy()
-
-
 # ----------------------------------------------------------------------------- Hugging Face
 @pytest.mark.parametrize('tied', [False, True], ids=['untied', 'tied'])
 def test_hf_from_pretrained_gives_the_jax_logits(models, tmp_path, tied):
   cfg, params, tokens, logits = models[tied]
   hf.write_hf_dir(tmp_path / 'hf', params, cfg)
 
-  assert np.abs(torch_logits(tmp_path / 'hf', tokens) - logits).max() <= 1e-4
+  assert np.abs(hf_logits(tmp_path / 'hf', tokens) - logits).max() <= 1e-4
   config = json.loads((tmp_path / 'hf' / 'config.json').read_text())
   assert config['tie_word_embeddings'] is tied
   assert (config['n_positions'], config['n_embd'], config['vocab_size']) == (32, 32, 256)
@@ -105,7 +91,7 @@ def test_hf_dir_replaces_an_existing_export(models, tmp_path):
   cfg, params, tokens, logits = models[False]
   hf.write_hf_dir(tmp_path / 'hf', {k: v * 0 for k, v in params.items()}, cfg)
   hf.write_hf_dir(tmp_path / 'hf', params, cfg)
-  assert np.abs(torch_logits(tmp_path / 'hf', tokens) - logits).max() <= 1e-4
+  assert np.abs(hf_logits(tmp_path / 'hf', tokens) - logits).max() <= 1e-4
   assert sorted(os.listdir(tmp_path)) == ['hf']
 
 
@@ -144,20 +130,22 @@ def test_flat_safetensors_load_in_torch_in_the_given_order(models, tmp_path):
 
 def test_narrow_floats_are_stored_as_f32_and_round_trip(tmp_path):
   rng = np.random.default_rng(3)
-  arrays = {'a.kernel': rng.normal(size=(3, 4)).astype(ml_dtypes.bfloat16),
-            'b.bias': rng.normal(size=(5,)).astype(np.float32),
-            'c.scale': rng.normal(size=(2,)).astype(np.float16),
-            'd.count': np.array(7, np.int32)}
+  arrays = {
+      'a.kernel': rng.normal(size=(3, 4)).astype(ml_dtypes.bfloat16),
+      'b.bias': rng.normal(size=(5,)).astype(np.float32),
+      'c.scale': rng.normal(size=(2,)).astype(np.float16), 'd.count': np.array(7, np.int32)
+  }
   safetensors_io.write_model(tmp_path / 'model.safetensors', arrays)
 
   loaded = safetensors.torch.load_file(tmp_path / 'model.safetensors')
   assert {k: t.dtype for k, t in loaded.items()} == {
       'a.kernel': torch.float32, 'b.bias': torch.float32, 'c.scale': torch.float32,
-      'd.count': torch.int32}
+      'd.count': torch.int32
+  }
   np.testing.assert_array_equal(loaded['a.kernel'].numpy(), arrays['a.kernel'].astype(np.float32))
   back, meta = safetensors_io.read_model(tmp_path / 'model.safetensors')
-  assert json.loads(meta[safetensors_io.DTYPES_KEY]) == {'a.kernel': 'bfloat16',
-                                                         'c.scale': 'float16'}
+  assert json.loads(
+      meta[safetensors_io.DTYPES_KEY]) == {'a.kernel': 'bfloat16', 'c.scale': 'float16'}
   for name, x in arrays.items():
     assert back[name].dtype == x.dtype and back[name].tobytes() == x.tobytes(), name
 
@@ -188,7 +176,7 @@ def test_bin_is_8_plus_12n_bytes_in_canonical_order(models, tmp_path):
   flatbin.write_bin(path, 7, params, dict(reversed(m.items())), v)  # m's own order is ignored
   safetensors_io.write_model(tmp_path / 'model.safetensors', params)
 
-  shapes = hf.param_shapes(cfg)
+  shapes = model_lib.param_shapes(cfg)
   assert shapes == {k: x.shape for k, x in params.items()}  # the config alone gives the shapes
   n = model_lib.count_params(cfg)
   step, header_n, size, (weights, m_read, v_read) = read_bin_independently(path, shapes)
@@ -238,9 +226,10 @@ def test_write_bin_refuses_more_params_than_int32(tmp_path):
 
 
 # ------------------------------------------------------------------------ killed mid-export
-_WRITER = '''
+_WRITER = """
 import sys
 import numpy as np
+from jaxckpt import model as model_lib
 from jaxckpt.export import flatbin, hf
 kind, out = sys.argv[1], sys.argv[2]
 if kind == 'bin':  # 8 + 3 * 64 MiB
@@ -249,8 +238,9 @@ if kind == 'bin':  # 8 + 3 * 64 MiB
 else:  # one 2048-wide layer: ~200 MB of weights
   cfg = dict(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=2048,
              tie_embeddings=True, dtype='float32')
-  hf.write_hf_dir(out, {k: np.ones(s, np.float32) for k, s in hf.param_shapes(cfg).items()}, cfg)
-'''
+  shapes = model_lib.param_shapes(cfg)
+  hf.write_hf_dir(out, {k: np.ones(s, np.float32) for k, s in shapes.items()}, cfg)
+"""
 
 
 @pytest.mark.parametrize('kind', ['bin', 'hf'])
@@ -264,8 +254,10 @@ def test_an_export_killed_half_way_leaves_nothing_under_its_final_name(tmp_path,
     pattern = 'step_000001.bin.tmp-*' if kind == 'bin' else 'hf.tmp-*/model.safetensors.tmp-*'
     return any(tmp_path.glob(pattern))
 
-  proc = subprocess.Popen([sys.executable, '-c', _WRITER, kind, str(final)], cwd=REPO,
-                          env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  proc = subprocess.Popen(
+      [sys.executable, '-c', _WRITER, kind, str(final)],
+      cwd=REPO,
+      env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
   deadline = time.monotonic() + 60
   while not writing():
     assert proc.poll() is None, f'the writer exited ({proc.returncode}) before being killed'
@@ -284,18 +276,18 @@ def test_an_export_killed_half_way_leaves_nothing_under_its_final_name(tmp_path,
 
 # ---------------------------------------------------------------------------------- offline
 def test_param_of_leaf_names_weights_and_adam_moments():
-  assert offline.param_of_leaf('params/h/0/attn/c_attn/kernel') == \
+  assert names.param_of_leaf('params/h/0/attn/c_attn/kernel') == \
       ('params', 'h.0.attn.c_attn.kernel')
-  assert offline.param_of_leaf('opt_state/1/0/mu/wte/embedding') == ('m', 'wte.embedding')
-  assert offline.param_of_leaf('opt_state/1/0/nu/h/1/ln_2/bias') == ('v', 'h.1.ln_2.bias')
-  assert offline.param_of_leaf('opt_state/1/0/count') is None
+  assert names.param_of_leaf('opt_state/1/0/mu/wte/embedding') == ('m', 'wte.embedding')
+  assert names.param_of_leaf('opt_state/1/0/nu/h/1/ln_2/bias') == ('v', 'h.1.ln_2.bias')
+  assert names.param_of_leaf('opt_state/1/0/count') is None
 
 
 @pytest.fixture(scope='module')
 def checkpoint(trainer, tmp_path_factory) -> Path:
   """The committed step-10 checkpoint of a real `python -m jaxckpt.main` run."""
   workdir = tmp_path_factory.mktemp('run')
-  r = trainer.run(workdir, '--config.train.steps=10', '--config.train.log_every=10')
+  r = trainer.train(workdir, '--config.train.steps=10', '--config.train.log_every=10')
   assert r.returncode == 0, r.stderr
   return workdir / 'checkpoints' / 'step_00000010'
 
@@ -312,16 +304,20 @@ def test_offline_export_of_a_trainer_checkpoint(checkpoint, tmp_path):
   cfg = ml_collections.ConfigDict(
       json.loads((checkpoint / 'manifest.json').read_text())['config']['model'])
   exports = tmp_path / 'exports'
-  out = {fmt: offline.export_checkpoint(checkpoint, fmt, offline.export_path(exports, 10, fmt))
-         for fmt in offline.FORMATS}
-  assert out == {'safetensors': exports / 'step_00000010', 'hf': exports / 'step_00000010/hf',
-                 'bin': exports / 'step_000010.bin'}
+  out = {
+      fmt: offline.export_checkpoint(checkpoint, fmt, offline.export_path(exports, 10, fmt))
+      for fmt in offline.FORMATS
+  }
+  assert out == {
+      'safetensors': exports / 'step_00000010', 'hf': exports / 'step_00000010/hf',
+      'bin': exports / 'step_000010.bin'
+  }
 
   params, meta = safetensors_io.read_model(out['safetensors'] / 'model.safetensors')
   assert meta['step'] == '10' and list(params) == model_lib.parameter_names(cfg)
   m, v, _ = safetensors_io.read_optimizer(out['safetensors'] / 'optimizer.safetensors')
   step, n, size, (weights, m_bin, v_bin) = read_bin_independently(out['bin'],
-                                                                  hf.param_shapes(cfg))
+                                                                  model_lib.param_shapes(cfg))
   assert (step, size) == (10, 8 + 12 * n)
   for name in params:
     np.testing.assert_array_equal(params[name], arrays['params/' + name.replace('.', '/')])
@@ -331,7 +327,7 @@ def test_offline_export_of_a_trainer_checkpoint(checkpoint, tmp_path):
       np.testing.assert_array_equal(from_bin[name], from_st[name])
 
   tokens = np.random.default_rng(0).integers(0, 256, size=(2, cfg.block_size), dtype=np.int32)
-  torch_out = torch_logits(out['hf'], tokens)
+  torch_out = hf_logits(out['hf'], tokens)
   assert np.abs(torch_out - jax_logits(cfg, params, tokens)).max() <= 1e-4
 
   # The .bin exports back to HF with the same weights.

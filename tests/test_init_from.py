@@ -9,21 +9,21 @@ holds the frozen embeddings (each start reads them from the file again).
 import json
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, assert_same_bytes, committed_steps, read_arrays, read_events, wait_for
+from conftest import (assert_same_bytes, checkpoint_arrays, committed_steps, events_of, jaxckpt_cli,
+                      losses, read_arrays, tiny_config, wait_for)
 from jaxckpt import identity, init_from, model as model_lib, train
-from jaxckpt.checkpoint.manager import named_leaves
+from jaxckpt.checkpoint.tree import named_leaves
 from jaxckpt.errors import ConfigError, ResumeError
 from jaxckpt.export import safetensors_io
-from jaxckpt.runlog import read_loss_history
-from test_identity import tiny
+from jaxckpt import trainer as trainer_lib
+from jaxckpt import config as config_lib
+from jaxckpt import provenance
 
 STEPS = 30
 FROZEN = ('wte.*', 'wpe.*')
@@ -45,8 +45,8 @@ def last_line(r) -> str:
 def init_file(trainer, tmp_path_factory) -> Path:
   """The safetensors export of step 10 of a tiny run."""
   workdir = tmp_path_factory.mktemp('source')
-  r = trainer.run(workdir, '--config.train.steps=10', '--checkpoint_every=10',
-                  '--export_every=10', '--export_formats=safetensors')
+  r = trainer.train(workdir, '--config.train.steps=10', '--checkpoint_every=10',
+                    '--export_every=10', '--export_formats=safetensors')
   assert r.returncode == 0, r.stderr
   return workdir / 'exports' / 'step_00000010' / 'model.safetensors'
 
@@ -55,8 +55,8 @@ def init_file(trainer, tmp_path_factory) -> Path:
 def straight(trainer, init_file, tmp_path_factory) -> Path:
   """A run of STEPS steps from `init_file` with the embeddings frozen, never stopped."""
   workdir = tmp_path_factory.mktemp('straight')
-  r = trainer.run(workdir, *run_flags(init_file), f'--export_every={STEPS}',
-                  '--export_formats=safetensors,bin', '--export_optimizer')
+  r = trainer.train(workdir, *run_flags(init_file), f'--export_every={STEPS}',
+                    '--export_formats=safetensors,bin', '--export_optimizer')
   assert r.returncode == 0, r.stderr
   return workdir
 
@@ -68,7 +68,7 @@ def pinned(trainer, init_file, tmp_path_factory) -> tuple[Path, Path]:
   tensors, _ = safetensors_io.read_model(init_file)
   partial = root / 'partial.safetensors'
   safetensors_io.write_model(partial, {n: x for n, x in tensors.items() if n != 'lm_head.kernel'})
-  r = trainer.run(root / 'run', *run_flags(partial, steps=10))
+  r = trainer.train(root / 'run', *run_flags(partial, steps=10))
   assert r.returncode == 0, r.stderr
   assert 'not in init_from, fresh init: lm_head.kernel' in r.stderr
   return root / 'run', partial
@@ -76,8 +76,8 @@ def pinned(trainer, init_file, tmp_path_factory) -> tuple[Path, Path]:
 
 # ----------------------------------------------------------------------------- in process
 def test_loaded_values_equal_the_files_on_the_right_shardings(init_file, tmp_path):
-  config = tiny(**{'mesh.model': 2})
-  trainer = train.build_trainer(config)
+  config = tiny_config(**{'mesh.model': 2})
+  trainer = trainer_lib.build_trainer(config)
   state = trainer.init_fn(jax.random.key(config.seed))
   arrays = init_from.read(init_file, trainer.abstract_state().params, trainer.config.model)
   file_tensors, _ = safetensors_io.read_model(init_file)
@@ -90,22 +90,28 @@ def test_loaded_values_equal_the_files_on_the_right_shardings(init_file, tmp_pat
 
   # A partial file: what it lacks keeps the fresh init.
   partial = tmp_path / 'partial.safetensors'
-  safetensors_io.write_model(partial, {n: x for n, x in file_tensors.items()
-                                       if not n.startswith('h.1.')})
+  safetensors_io.write_model(partial,
+                             {n: x for n, x in file_tensors.items() if not n.startswith('h.1.')})
   fresh = model_lib.flatten_params(state.params, config.model)
   loaded = model_lib.flatten_params(
-      init_from.load_params(state.params, init_from.read(partial, trainer.abstract_state().params, trainer.config.model)), config.model)
+      init_from.load_params(
+          state.params,
+          init_from.read(partial,
+                         trainer.abstract_state().params, trainer.config.model)), config.model)
   for name, x in loaded.items():
     want = fresh[name] if name.startswith('h.1.') else file_tensors[name]
     assert np.asarray(x).tobytes() == np.asarray(want).tobytes(), name
 
 
 def test_a_file_that_does_not_fit_is_refused_naming_what(init_file, tmp_path):
-  trainer = train.build_trainer(tiny())
+  trainer = trainer_lib.build_trainer(tiny_config())
   tensors, _ = safetensors_io.read_model(init_file)
   bad = tmp_path / 'bad.safetensors'
-  safetensors_io.write_model(bad, {**tensors, 'wpe.embedding': tensors['wpe.embedding'][:32],
-                                   'transformer.wte.weight': tensors['wte.embedding']})
+  safetensors_io.write_model(
+      bad, {
+          **tensors, 'wpe.embedding': tensors['wpe.embedding'][:32],
+          'transformer.wte.weight': tensors['wte.embedding']
+      })
   with pytest.raises(ConfigError) as e:
     init_from.read(bad, trainer.abstract_state().params, trainer.config.model)
   assert e.value.code == 'E-LOAD-003' and e.value.exit_code == 2
@@ -121,8 +127,8 @@ def test_a_file_that_does_not_fit_is_refused_naming_what(init_file, tmp_path):
   with pytest.raises(ConfigError, match='E-LOAD-002: cannot read train.init_from=.*No such file'):
     init_from.pin(str(missing), fresh=True)
   # On a resume a missing file is pinned as unreadable; identity.compare refuses it (E-LOAD-001).
-  assert init_from.pin(str(missing), fresh=False) == {
-      'path': str(missing), 'size': None, 'sha256': None}
+  assert init_from.pin(
+      str(missing), fresh=False) == {'path': str(missing), 'size': None, 'sha256': None}
   assert init_from.pin('', fresh=True) is None
 
 
@@ -133,20 +139,22 @@ def test_a_file_that_does_not_fit_is_refused_naming_what(init_file, tmp_path):
 ])
 def test_frozen_globs_are_validated(frozen, message):
   with pytest.raises(ConfigError) as e:
-    train.validate_config(tiny(**{'train.frozen': frozen}))
+    config_lib.validate_config(tiny_config(**{'train.frozen': frozen}))
   assert e.value.code == 'E-CONFIG-006' and message in e.value.what
 
 
 def test_frozen_parameters_never_change_and_have_no_optimizer_state(init_file):
-  config = tiny(**{'mesh.model': 2, 'train.frozen': FROZEN})
-  trainer = train.build_trainer(config)
+  config = tiny_config(**{'mesh.model': 2, 'train.frozen': FROZEN})
+  trainer = trainer_lib.build_trainer(config)
   state = trainer.init_fn(jax.random.key(0))
   arrays = init_from.read(init_file, trainer.abstract_state().params, trainer.config.model)
   arrays['wpe.embedding'] = arrays['wpe.embedding'].copy()
   arrays['wpe.embedding'][0, :4] = -0.0  # p + 0.0 would be +0.0: a frozen value keeps its bytes
   state = state.replace(params=init_from.load_params(state.params, arrays))
-  before = {n: np.asarray(x).copy() for n, x in
-            model_lib.flatten_params(state.params, config.model).items()}
+  before = {
+      n: np.asarray(x).copy()
+      for n, x in model_lib.flatten_params(state.params, config.model).items()
+  }
   rng = np.random.default_rng(0)
   for _ in range(2):
     tokens = rng.integers(0, 256, (16, 65), dtype=np.int32)
@@ -154,17 +162,19 @@ def test_frozen_parameters_never_change_and_have_no_optimizer_state(init_file):
   after = model_lib.flatten_params(state.params, config.model)
   for name in FROZEN_NAMES:
     assert np.asarray(after[name]).tobytes() == before[name].tobytes(), name
-  assert not np.array_equal(np.asarray(after['h.0.attn.c_attn.kernel']),
-                            before['h.0.attn.c_attn.kernel'])
-  moments = [n for n in named_leaves(state.opt_state) if n.split('/')[-2:] in
-             (['wte', 'embedding'], ['wpe', 'embedding'])]
+  assert not np.array_equal(
+      np.asarray(after['h.0.attn.c_attn.kernel']), before['h.0.attn.c_attn.kernel'])
+  moments = [
+      n for n in named_leaves(state.opt_state)
+      if n.split('/')[-2:] in (['wte', 'embedding'], ['wpe', 'embedding'])
+  ]
   assert not moments, moments  # no Adam m and v for frozen parameters
 
 
 def test_freezing_on_resume_is_param_003_not_opt_001():
   """A frozen run's optimizer state differs from an unfrozen one's; trainable is checked first."""
-  plain = train.run_identity(train.build_trainer(tiny()))
-  frozen = train.run_identity(train.build_trainer(tiny(**{'train.frozen': FROZEN})))
+  plain = train.run_identity(trainer_lib.build_trainer(tiny_config()))
+  frozen = train.run_identity(trainer_lib.build_trainer(tiny_config(**{'train.frozen': FROZEN})))
   assert plain['optimizer'] != frozen['optimizer']
   assert 'wte.embedding' not in frozen['optimizer']
   assert {r['path'] for r in frozen['parameters'] if not r['trainable']} == set(FROZEN_NAMES)
@@ -179,7 +189,7 @@ def test_freezing_on_resume_is_param_003_not_opt_001():
 def test_the_file_is_pinned_and_frozen_file_params_are_not_checkpointed(straight, init_file):
   step_dir = straight / 'checkpoints' / f'step_{STEPS:08d}'
   manifest = json.loads((step_dir / 'manifest.json').read_text())
-  pin = identity.pin_file(init_file)
+  pin = provenance.pin_file(init_file)
   assert manifest['init_from'] == {**pin, 'path': str(init_file.absolute())}
   assert manifest['knobs']['train.frozen']['value'] == list(FROZEN)
   names = [t['name'] for t in manifest['tensors']]
@@ -190,21 +200,21 @@ def test_the_file_is_pinned_and_frozen_file_params_are_not_checkpointed(straight
   assert 'params/h/0/attn/c_attn/kernel' in arrays
   trainable = {r['path']: r['trainable'] for r in manifest['parameters']}
   assert [n for n, t in trainable.items() if not t] == FROZEN_NAMES
-  started = [e for e in read_events(straight) if e['event'] == 'init_from']
+  started = events_of(straight, 'init_from')
   assert len(started) == 1 and started[0]['fresh_init'] == []
   assert started[0]['not_checkpointed'] == FROZEN_NAMES
 
 
 def test_frozen_values_are_unchanged_after_training(straight, init_file):
-  exported, _ = safetensors_io.read_model(
-      straight / 'exports' / f'step_{STEPS:08d}' / 'model.safetensors')
+  exported, _ = safetensors_io.read_model(straight / 'exports' / f'step_{STEPS:08d}' /
+                                          'model.safetensors')
   source, _ = safetensors_io.read_model(init_file)
   assert sorted(exported) == sorted(source)
   for name in source:
     same = exported[name].tobytes() == source[name].tobytes()
     assert same == (name in FROZEN_NAMES), name
-  m, v, _ = safetensors_io.read_optimizer(
-      straight / 'exports' / f'step_{STEPS:08d}' / 'optimizer.safetensors')
+  m, v, _ = safetensors_io.read_optimizer(straight / 'exports' / f'step_{STEPS:08d}' /
+                                          'optimizer.safetensors')
   assert not m['wte.embedding'].any() and not v['wpe.embedding'].any()  # no moments: zeros
   assert m['h.0.attn.c_attn.kernel'].any()
   assert (straight / 'exports' / f'step_{STEPS:06d}.bin').is_file()
@@ -219,15 +229,13 @@ def test_killed_run_resumes_bit_exactly_reading_the_file_again(trainer, straight
   survived = committed_steps(tmp_path)
   assert max(survived) < STEPS, 'the run finished before it could be killed'
 
-  again = trainer.run(tmp_path, *run_flags(init_file))
+  again = trainer.train(tmp_path, *run_flags(init_file))
   assert again.returncode == 0, again.stderr
   assert 'read 2 frozen parameter(s) the checkpoint does not hold from init_from' in again.stderr
 
-  final = lambda w: read_arrays(w / 'checkpoints' / f'step_{STEPS:08d}')
-  assert_same_bytes(final(tmp_path), final(straight))
-  losses = lambda w: {s: row['loss'] for s, row in read_loss_history(w).items()}
+  assert_same_bytes(checkpoint_arrays(tmp_path, STEPS), checkpoint_arrays(straight, STEPS))
   assert losses(tmp_path) == losses(straight)
-  reads = [e for e in read_events(tmp_path) if e['event'] == 'init_from' and 'read' in e]
+  reads = [e for e in events_of(tmp_path, 'init_from') if 'read' in e]
   assert [(e['step'], e['read']) for e in reads] == [(max(survived), FROZEN_NAMES)]
 
 
@@ -235,7 +243,7 @@ def test_changing_frozen_on_resume_is_refused(trainer, pinned):
   workdir, partial = pinned
   for frozen, said in ((('wte.*',), 'frozen in the checkpoint, trainable now: wpe.embedding'),
                        (FROZEN + ('ln_f.*',), 'trainable in the checkpoint, frozen now: ln_f')):
-    r = trainer.run(workdir, *run_flags(partial, frozen=frozen, steps=20))
+    r = trainer.train(workdir, *run_flags(partial, frozen=frozen, steps=20))
     assert r.returncode == 2, r.stderr
     assert last_line(r).startswith('jaxckpt: E-PARAM-003: ') and said in last_line(r)
 
@@ -248,46 +256,43 @@ def test_a_changed_init_from_file_is_refused_before_loading(trainer, pinned, tmp
   data = bytearray(original)
   data[-1] ^= 0x01  # one bit of a tensor: same size, another sha256
   partial.write_bytes(bytes(data))
-  r = trainer.run(workdir, *run_flags(partial, steps=10))
+  r = trainer.train(workdir, *run_flags(partial, steps=10))
   assert r.returncode == 2, r.stderr
   line = last_line(r)
   assert line.startswith('jaxckpt: E-LOAD-001: ') and str(partial) in line
   assert f'size {len(original)} -> {len(original)}, sha256' in line
 
   partial.unlink()
-  r = trainer.run(workdir, *run_flags(partial, steps=10))
+  r = trainer.train(workdir, *run_flags(partial, steps=10))
   assert r.returncode == 2, r.stderr
   assert last_line(r).startswith('jaxckpt: E-LOAD-001: ') and 'cannot be read' in last_line(r)
 
   shutil.copyfile(kept, partial)  # the pinned bytes are back: the run continues
-  r = trainer.run(workdir, *run_flags(partial, steps=20))
+  r = trainer.train(workdir, *run_flags(partial, steps=20))
   assert r.returncode == 0, r.stderr
   assert committed_steps(workdir)[-1] == 20
 
 
-def test_export_and_evaluate_read_frozen_parameters_from_the_pinned_file(trainer, tmp_path,
-                                                                        init_file):
+def test_export_and_evaluate_read_frozen_parameters_from_the_pinned_file(
+    trainer, tmp_path, init_file):
   """Checkpoints leave file-backed frozen parameters out; the offline tools read them back."""
-  run = tmp_path / 'run'
-  r = trainer.run(run, '--config.train.steps=10', '--checkpoint_every=10',
-                  f'--config.train.init_from={init_file}', "--config.train.frozen=('wte.*',)")
+  workdir = tmp_path / 'run'
+  r = trainer.train(workdir, '--config.train.steps=10', '--checkpoint_every=10',
+                    f'--config.train.init_from={init_file}', "--config.train.frozen=('wte.*',)")
   assert r.returncode == 0, r.stderr
-  ckpt = run / 'checkpoints' / 'step_00000010'
+  ckpt = workdir / 'checkpoints' / 'step_00000010'
   out = tmp_path / 'model.bin'
-  export = subprocess.run([sys.executable, '-m', 'jaxckpt.cli', 'export', str(ckpt),
-                           '--format=bin', f'--out={out}'], capture_output=True, text=True,
-                          cwd=REPO)
+  export = jaxckpt_cli('export', str(ckpt), '--format=bin', f'--out={out}', timeout=None)
   assert export.returncode == 0, export.stderr
-  from jaxckpt.export import flatbin, hf
-  from configs import tiny
-  _, params, m, _ = flatbin.read_bin(out, hf.param_shapes(tiny.get_config().model))
+  from jaxckpt.export import flatbin
+  _, params, m, _ = flatbin.read_bin(out, model_lib.param_shapes(tiny_config().model))
   expected, _ = safetensors_io.read_model(init_file)
   np.testing.assert_array_equal(params['wte.embedding'], expected['wte.embedding'])
   assert not m['wte.embedding'].any()  # frozen: no moments, exported as zeros
-  evaluate = subprocess.run([sys.executable, '-m', 'jaxckpt.cli', 'evaluate',
-                             f'--workdir={run}'], capture_output=True, text=True, cwd=REPO)
+  evaluate = jaxckpt_cli('evaluate', f'--workdir={workdir}', timeout=None)
   assert evaluate.returncode == 0, evaluate.stderr
-  assert '10' in json.loads((run / 'evaluated.json').read_text())
-  resumed = trainer.run(tmp_path / 'from_bin', '--config.train.steps=12', f'--resume={out}',
-                        f'--config.train.init_from={init_file}', "--config.train.frozen=('wte.*',)")
+  assert '10' in json.loads((workdir / 'evaluated.json').read_text())
+  resumed = trainer.train(tmp_path / 'from_bin', '--config.train.steps=12', f'--resume={out}',
+                          f'--config.train.init_from={init_file}',
+                          "--config.train.frozen=('wte.*',)")
   assert resumed.returncode == 0, resumed.stderr  # frozen parameters have no moments to restore

@@ -12,28 +12,32 @@ import jax
 import pytest
 
 from conftest import REPO, call_cli, subprocess_env
-from jaxckpt import identity, inspection, model as model_lib, train
+from jaxckpt import identity, model as model_lib
 from jaxckpt.checkpoint import CheckpointManager, layout, manifest
-from jaxckpt.checkpoint.manager import avals, named_leaves, tensor_table
-from jaxckpt.errors import CheckpointError, ResumeError
+from jaxckpt.checkpoint.tree import avals, named_leaves, tensor_table
+from jaxckpt.errors import ArgumentError, CheckpointError
+from jaxckpt import trainer as trainer_lib
+from jaxckpt import provenance
+from jaxckpt.checkpoint import discovery
+from jaxckpt.cli import inspect_command
 
 STEP_10, STEP_20 = layout.step_dirname(10), layout.step_dirname(20)
 
 
 @pytest.fixture(scope='module')
-def run(trainer, tmp_path_factory):
+def finished_run(trainer, tmp_path_factory):
   """A real tiny run with checkpoints at steps 10 and 20."""
   workdir = tmp_path_factory.mktemp('inspect-run')
-  r = trainer.run(workdir, '--config.train.steps=20', '--checkpoint_every=10', '--keep=0')
+  r = trainer.train(workdir, '--config.train.steps=20', '--checkpoint_every=10', '--keep=0')
   assert r.returncode == 0, r.stderr
   return workdir
 
 
 @pytest.fixture(scope='module')
-def pristine(run, tmp_path_factory):
+def pristine(finished_run, tmp_path_factory):
   """A copy of the run's checkpoints, exactly as the trainer wrote them (manifests sealed)."""
   workdir = tmp_path_factory.mktemp('pristine') / 'run'
-  shutil.copytree(run / 'checkpoints', workdir / 'checkpoints')
+  shutil.copytree(finished_run / 'checkpoints', workdir / 'checkpoints')
   return workdir
 
 
@@ -59,11 +63,9 @@ def tamper(step_dir: Path) -> str:
   return problem
 
 
-
-
 # ------------------------------------------------------------------------------- inspect
-def test_inspect_prints_identity_and_every_tensor(run, capsys):
-  step_dir = run / 'checkpoints' / STEP_20
+def test_inspect_prints_identity_and_every_tensor(finished_run, capsys):
+  step_dir = finished_run / 'checkpoints' / STEP_20
   code, out, _ = call_cli(['inspect', str(step_dir)], capsys)
   assert code == 0
   m = manifest.read(step_dir)
@@ -72,13 +74,14 @@ def test_inspect_prints_identity_and_every_tensor(run, capsys):
   assert 'train.steps' in out and 'checkpoint.every' in out
   for t in m['tensors']:  # every tensor: name, dtype, shape, spec
     line = next(l for l in out.splitlines() if l.split()[:1] == [t['name']])
-    assert t['dtype'] in line and inspection._shape(t['shape']) in line and str(t['spec']) in line
+    assert t['dtype'] in line and inspect_command._shape(t['shape']) in line and str(
+        t['spec']) in line
   if 'parameters' in m:  # once the trainer records identities
     assert 'offset' in out and 'h.0.attn.c_attn.kernel' in out and 'sha256' in out
 
 
-def test_inspect_json(run, capsys):
-  step_dir = run / 'checkpoints' / STEP_10
+def test_inspect_json(finished_run, capsys):
+  step_dir = finished_run / 'checkpoints' / STEP_10
   code, out, _ = call_cli(['inspect', str(step_dir), '--json'], capsys)
   assert code == 0
   d = json.loads(out)
@@ -95,16 +98,21 @@ def test_inspect_json(run, capsys):
 @pytest.fixture(scope='module')
 def andrea_120m(tmp_path_factory):
   """A manifest for the andrea_120m config, built from shapes alone (jax.eval_shape)."""
-  config = identity.load_config_file(REPO / 'configs' / 'andrea_120m.py')
-  trainer = train.build_trainer(config)
+  config = provenance.load_config_file(REPO / 'configs' / 'andrea_120m.py')
+  trainer = trainer_lib.build_trainer(config)
   state = trainer.abstract_state()
-  meta = identity.build(config=config, params=state.params, opt_state=state.opt_state,
-                        partition_specs=trainer.state_shardings.params,
-                        mesh_shape=dict(trainer.mesh.shape), devices=8,
-                        trainable=identity.trainable_fn(['wpe.*']),
-                        knobs=identity.knob_table(config), sources=identity.source_hashes(None),
-                        counters={'step': 50_000, 'tokens_seen': 50_000 * 32 * 1024},
-                        finished=True)
+  meta = identity.build(
+      config=config,
+      params=state.params,
+      opt_state=state.opt_state,
+      partition_specs=trainer.state_shardings.params,
+      mesh_shape=dict(trainer.mesh.shape),
+      devices=8,
+      trainable=identity.trainable_fn(['wpe.*']),
+      knobs=provenance.knob_table(config),
+      sources=provenance.source_hashes(None),
+      counters={'step': 50_000, 'tokens_seen': 50_000 * 32 * 1024},
+      finished=True)
   step_dir = tmp_path_factory.mktemp('andrea_120m') / layout.step_dirname(50_000)
   step_dir.mkdir()
   m = manifest.build(50_000, {}, tensor_table(avals(named_leaves(state))), meta)
@@ -123,8 +131,12 @@ def test_inspect_andrea_120m_loads_nothing_heavy(andrea_120m, compile_cache):
            ' if m in sys.modules]\n'
            'print("HEAVY", heavy, "SECONDS", time.perf_counter() - t, file=sys.stderr)\n')
   t0 = time.perf_counter()
-  r = subprocess.run([sys.executable, '-c', probe], cwd=REPO, capture_output=True, text=True,
-                     env=subprocess_env(compile_cache), timeout=60)
+  r = subprocess.run([sys.executable, '-c', probe],
+                     cwd=REPO,
+                     capture_output=True,
+                     text=True,
+                     env=subprocess_env(compile_cache),
+                     timeout=60)
   wall = time.perf_counter() - t0
   assert r.returncode == 0, r.stderr
   assert 'HEAVY [] ' in r.stderr, r.stderr
@@ -167,9 +179,9 @@ def test_inspect_refuses_what_is_not_a_checkpoint(make, words, tmp_path, capsys)
   assert err.startswith('jaxckpt: E-CKPT-010: ') and words in err and err.count('\n') == 1
 
 
-def test_inspect_a_run_directory_points_at_its_newest_checkpoint(run, capsys):
-  code, _, err = call_cli(['inspect', str(run)], capsys)
-  assert code == 2 and f'did you mean {run / "checkpoints" / STEP_20}?' in err
+def test_inspect_a_run_directory_points_at_its_newest_checkpoint(finished_run, capsys):
+  code, _, err = call_cli(['inspect', str(finished_run)], capsys)
+  assert code == 2 and f'did you mean {finished_run / "checkpoints" / STEP_20}?' in err
 
 
 def test_inspect_warns_when_the_manifest_does_not_match_its_seal(pristine, tmp_path, capsys):
@@ -177,7 +189,8 @@ def test_inspect_warns_when_the_manifest_does_not_match_its_seal(pristine, tmp_p
   shutil.copytree(pristine / 'checkpoints' / STEP_10, step_dir)
   code, out, _ = call_cli(['inspect', str(step_dir)], capsys)
   assert code == 0 and 'WARNING' not in out
-  assert json.loads(call_cli(['inspect', str(step_dir), '--json'], capsys)[1])['manifest_seal'] == 'ok'
+  assert json.loads(call_cli(['inspect', str(step_dir), '--json'],
+                             capsys)[1])['manifest_seal'] == 'ok'
 
   problem = tamper(step_dir)
   code, out, err = call_cli(['inspect', str(step_dir)], capsys)
@@ -212,12 +225,12 @@ def test_verify_an_intact_run_and_checkpoint(pristine, capsys):
   code, out, _ = call_cli(['verify', str(pristine)], capsys)
   assert code == 0
   assert out.splitlines() == [f'OK {pristine / "checkpoints" / s}' for s in (STEP_10, STEP_20)]
-  code, out, _ = call_cli(['verify', str(pristine / 'checkpoints' / STEP_20),
-                                 '--no-checksums'], capsys)
+  code, out, _ = call_cli(
+      ['verify', str(pristine / 'checkpoints' / STEP_20), '--no-checksums'], capsys)
   assert code == 0 and out.startswith('OK ') and 'sizes only' in out
-  assert inspection.latest_intact(pristine / 'checkpoints') == (
-      pristine / 'checkpoints' / STEP_20, [])
-  assert inspection.verify_or_raise(pristine / 'checkpoints' / STEP_10) == \
+  assert discovery.latest_intact(pristine / 'checkpoints') == (pristine / 'checkpoints' / STEP_20,
+                                                               [])
+  assert discovery.intact_or_raise(pristine / 'checkpoints' / STEP_10) == \
       pristine / 'checkpoints' / STEP_10
 
 
@@ -230,8 +243,10 @@ def _state_files(step_dir: Path) -> dict[str, str]:
     data = max((f for f in files if f.startswith('state/') and '/d/' in f),
                key=lambda f: files[f]['size'])
     metadata = 'state/_METADATA'
-  return {'manifest': layout.MANIFEST, 'run_state': layout.RUN_STATE, 'state data': data,
-          'state metadata': metadata}
+  return {
+      'manifest': layout.MANIFEST, 'run_state': layout.RUN_STATE, 'state data': data,
+      'state metadata': metadata
+  }
 
 
 def _corrupt(path: Path, how: str) -> None:
@@ -262,8 +277,9 @@ def test_corruption_matrix(pristine, tmp_path, capsys, kind, how):
   if kind == 'manifest':
     assert 'manifest.json' in out
   else:
-    assert f'{rel}: ' in out and {'truncated': 'size', 'bit flipped': 'checksum mismatch',
-                                  'deleted': 'missing'}[how] in out
+    assert f'{rel}: ' in out and {
+        'truncated': 'size', 'bit flipped': 'checksum mismatch', 'deleted': 'missing'
+    }[how] in out
 
   code, out, _ = call_cli(['verify', str(workdir)], capsys)
   assert f'OK {previous}' in out and str(newest) in out
@@ -273,12 +289,12 @@ def test_corruption_matrix(pristine, tmp_path, capsys, kind, how):
     # save, which a live run also leaves for a moment): reported, not failed, in a run.
     assert f'SKIP {newest}: not committed' in out
 
-  path, skipped = inspection.latest_intact(root)
+  path, skipped = discovery.latest_intact(root)
   assert path == previous
   assert [p for p, _ in skipped] == [newest] and skipped[0][1]
 
-  with pytest.raises((CheckpointError, ResumeError)):
-    inspection.verify_or_raise(newest)
+  with pytest.raises(CheckpointError):
+    discovery.intact_or_raise(newest)
   # A target that the intact checkpoint restores into: the refusal is about the damage.
   mgr = CheckpointManager(root, writer=False)
   target = restore_target(pristine / 'checkpoints' / STEP_20)
@@ -293,8 +309,10 @@ def test_corruption_matrix(pristine, tmp_path, capsys, kind, how):
 def restore_target(step_dir: Path) -> dict:
   """Every tensor of a checkpoint as a restore target, on one device."""
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return {t['name']: jax.ShapeDtypeStruct(tuple(t['shape']), t['dtype'], sharding=one)
-          for t in manifest.read(step_dir)['tensors']}
+  return {
+      t['name']: jax.ShapeDtypeStruct(tuple(t['shape']), t['dtype'], sharding=one)
+      for t in manifest.read(step_dir)['tensors']
+  }
 
 
 def test_sizes_only_verification_misses_a_flipped_bit(pristine, tmp_path, capsys):
@@ -303,8 +321,8 @@ def test_sizes_only_verification_misses_a_flipped_bit(pristine, tmp_path, capsys
   _corrupt(step_dir / _state_files(step_dir)['state data'], 'bit flipped')
   assert call_cli(['verify', str(step_dir), '--no-checksums'], capsys)[0] == 0
   assert call_cli(['verify', str(step_dir)], capsys)[0] == 1
-  assert inspection.latest_intact(tmp_path, checksums=False)[0] == step_dir
-  assert inspection.latest_intact(tmp_path)[0] is None
+  assert discovery.latest_intact(tmp_path, checksums=False)[0] == step_dir
+  assert discovery.latest_intact(tmp_path)[0] is None
 
 
 def test_latest_intact_with_nothing_intact(pristine, tmp_path):
@@ -312,17 +330,17 @@ def test_latest_intact_with_nothing_intact(pristine, tmp_path):
   shutil.copytree(pristine / 'checkpoints', root)
   for step in (STEP_10, STEP_20):
     _corrupt(root / step / layout.RUN_STATE, 'truncated')
-  path, skipped = inspection.latest_intact(root)
+  path, skipped = discovery.latest_intact(root)
   assert path is None and [p.name for p, _ in skipped] == [STEP_20, STEP_10]
-  with pytest.raises(ResumeError, match='E-RESUME-004: none of the 2 committed'):
-    inspection.latest_intact_or_raise(root)  # never a fresh start over a damaged run
-  assert inspection.latest_intact(tmp_path / 'empty') == (None, [])
+  with pytest.raises(CheckpointError, match='E-RESUME-004: none of the 2 committed'):
+    discovery.latest_intact_or_raise(root)  # never a fresh start over a damaged run
+  assert discovery.latest_intact(tmp_path / 'empty') == (None, [])
   (tmp_path / 'crashed' / STEP_10 / 'state').mkdir(parents=True)  # before its first commit
-  path, skipped = inspection.latest_intact_or_raise(tmp_path / 'crashed')
+  path, skipped = discovery.latest_intact_or_raise(tmp_path / 'crashed')
   assert path is None and 'not committed' in skipped[0][1]
   (tmp_path / 'file').write_text('')
-  with pytest.raises(ResumeError, match='E-RESUME-002'):
-    inspection.latest_intact(tmp_path / 'file')
+  with pytest.raises(ArgumentError, match='E-RESUME-002'):
+    discovery.latest_intact(tmp_path / 'file')
 
 
 def test_a_manifest_naming_files_outside_is_reported_not_followed(pristine, tmp_path, capsys):
@@ -337,7 +355,8 @@ def test_a_manifest_naming_files_outside_is_reported_not_followed(pristine, tmp_
   (step_dir / layout.MANIFEST).write_bytes(manifest.sealed_json(m))
   code, out, _ = call_cli(['verify', str(step_dir)], capsys)
   assert code == 1 and out.splitlines() == [
-      f"FAIL {step_dir}: {step_dir}: manifest names a file outside the checkpoint: '../../outside'"]
+      f"FAIL {step_dir}: {step_dir}: manifest names a file outside the checkpoint: '../../outside'"
+  ]
 
 
 def test_the_manager_verifies_what_jaxckpt_verify_does(pristine, tmp_path, capsys):
@@ -348,7 +367,7 @@ def test_the_manager_verifies_what_jaxckpt_verify_does(pristine, tmp_path, capsy
   problem = tamper(root / STEP_10)  # a manifest changed after its commit; every file intact
   code, out, _ = call_cli(['verify', str(root / STEP_10)], capsys)
   assert code == 1 and out.splitlines() == [f'FAIL {root / STEP_10}: {problem}']
-  assert mgr.verify(10) == inspection.check(root / STEP_10) == [problem]
+  assert mgr.verify(10) == discovery.problems(root / STEP_10) == [problem]
   assert mgr.verify(10, checksums=False) == [problem]  # the seal is checked even sizes-only
 
 

@@ -6,21 +6,17 @@ at that moment. The end-to-end test runs `jaxckpt verify` against the tiny train
 """
 
 import shutil
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import pytest
 
-from conftest import REPO, call_cli, committed_steps, subprocess_env, wait_for
-from jaxckpt import inspection
+from conftest import call_cli, committed_steps, jaxckpt_cli, wait_for
+from jaxckpt.checkpoint import discovery
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, layout, manifest
 
 
 def state(value: float):
   return {'w': jnp.full((64, 32), value, jnp.float32), 'b': jnp.arange(32, dtype=jnp.float32)}
-
-
 
 
 @pytest.fixture
@@ -49,6 +45,7 @@ def once(monkeypatch, module, name, when, act, *, after=False):
     if due and after:
       act()
     return out
+
   monkeypatch.setattr(module, name, wrapped)
   return fired
 
@@ -65,7 +62,7 @@ def test_a_checkpoint_retention_deletes_under_verify_is_skipped_not_failed(
   step_1, step_2, step_3 = (root / layout.step_dirname(s) for s in (1, 2, 3))
   commit_3 = lambda: mgr.save(3, state(3))  # keep=2: retention then deletes step 1
   if moment == 'after the listing':
-    fired = once(monkeypatch, inspection, '_step_dirs', lambda *_: True, commit_3, after=True)
+    fired = once(monkeypatch, discovery, '_step_dirs', lambda *_: True, commit_3, after=True)
   else:
     fired = once(monkeypatch, manifest, 'crc32_file', under(step_1), commit_3)
   code, out, err = call_cli(['verify', str(root.parent)], capsys)
@@ -82,9 +79,11 @@ def test_a_checkpoint_replaced_under_verify_is_verified_again(live, monkeypatch,
   """A resumed run replays a step and swaps its new checkpoint in while verify reads the old."""
   root, mgr = live
   step_2 = root / layout.step_dirname(2)
+
   def rewrite_2():
     with CheckpointManager(root, CheckpointOptions(keep=0, mode='sync')) as writer:
       writer.save(2, state(-2.0))  # other values: the old manifest's checksums no longer hold
+
   fired = once(monkeypatch, manifest, 'crc32_file', under(step_2), rewrite_2)
   code, out, err = call_cli(['verify', str(root.parent)], capsys)
   assert fired and 'Traceback' not in err
@@ -116,8 +115,13 @@ def test_a_named_checkpoint_removed_under_verify_is_not_a_failure(live, monkeypa
 def test_inspect_of_a_checkpoint_removed_before_its_manifest_is_read(live, monkeypatch, capsys):
   root, mgr = live
   step_1 = root / layout.step_dirname(1)
-  once(monkeypatch, inspection, 'checkpoint_dir', lambda *_: True, lambda: mgr.save(3, state(3)),
-       after=True)
+  once(
+      monkeypatch,
+      discovery,
+      'checkpoint_dir',
+      lambda *_: True,
+      lambda: mgr.save(3, state(3)),
+      after=True)
   code, out, err = call_cli(['inspect', str(step_1)], capsys)
   assert code == 2 and not out and err.count('\n') == 1
   assert err.startswith(f'jaxckpt: E-CKPT-010: {step_1} was removed while it was being read')
@@ -146,12 +150,15 @@ def test_a_checkpoint_being_written_is_skip_and_exit_0(tmp_path, capsys):
 def test_a_checkpoint_committed_during_the_scan_is_verified(live, monkeypatch, capsys):
   root, mgr = live
   step_3 = root / layout.step_dirname(3)
+
   def half_commit_3():
     mgr.save(3, state(3))
     (step_3 / layout.MANIFEST).rename(root.parent / 'manifest-3')  # not yet written, as listed
+
   def finish_3():
     (root.parent / 'manifest-3').rename(step_3 / layout.MANIFEST)
-  once(monkeypatch, inspection, '_step_dirs', lambda *_: True, half_commit_3)
+
+  once(monkeypatch, discovery, '_step_dirs', lambda *_: True, half_commit_3)
   once(monkeypatch, manifest, 'crc32_file', under(root / layout.step_dirname(2)), finish_3)
   code, out, _ = call_cli(['verify', str(root.parent)], capsys)
   assert code == 0 and f'OK {step_3}' in out.splitlines() and 'SKIP' not in out, out
@@ -161,15 +168,12 @@ def test_a_checkpoint_committed_during_the_scan_is_verified(live, monkeypatch, c
 def test_verify_a_live_run_with_keep_1(trainer, compile_cache, tmp_path):
   """`jaxckpt verify WORKDIR` while the trainer commits every 2 steps and keeps one checkpoint."""
   workdir = tmp_path / 'run'
-  proc = trainer.start(workdir, '--config.train.steps=100000', '--checkpoint_every=2',
-                       '--keep=1')
+  proc = trainer.start(workdir, '--config.train.steps=100000', '--checkpoint_every=2', '--keep=1')
   try:
     wait_for(lambda: committed_steps(workdir), proc, timeout=240)
     results, seen = [], set()
     for _ in range(30):  # before the fix, about one in six failed
-      r = subprocess.run([sys.executable, '-m', 'jaxckpt.cli', 'verify', str(workdir)],
-                         cwd=REPO, capture_output=True, text=True, timeout=60,
-                         env=subprocess_env(compile_cache))
+      r = jaxckpt_cli('verify', str(workdir), cache=compile_cache, timeout=60)
       results.append(r)
       seen.update(line.split()[1] for line in r.stdout.splitlines() if line.startswith('OK '))
       assert r.returncode == 0 and 'Traceback' not in r.stderr and 'FAIL' not in r.stdout, \

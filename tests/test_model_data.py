@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from configs import andrea_12m, andrea_120m, tiny
-from jaxckpt import data, model, sharding, train
+from jaxckpt import data, model, sharding
 from jaxckpt.errors import ConfigError
+from jaxckpt import trainer as trainer_lib
 
 
 def test_parameter_counts_of_the_named_configs():
@@ -48,7 +49,7 @@ def test_sharded_step_matches_one_device():
   for name, mesh, devices in [('one', (1, 1), jax.devices()[:1]), ('eight', (4, 2), None)]:
     with cfg.unlocked():
       cfg.mesh.data, cfg.mesh.model = mesh
-    t = train.build_trainer(cfg, devices)
+    t = trainer_lib.build_trainer(cfg, devices)
     state = t.init_fn(jax.random.key(0))
     batch = data.from_config(cfg).batch(0)
     for _ in range(3):

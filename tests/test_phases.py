@@ -5,17 +5,19 @@ import json
 import pytest
 
 from configs import tiny
-from jaxckpt import phases, train
-from jaxckpt.checkpoint import layout
+from jaxckpt import phases
 from jaxckpt.errors import ConfigError
 from jaxckpt.runlog import RunLog
+from jaxckpt import config as config_lib
+from jaxckpt import workdir as workdir_lib
+from jaxckpt.checkpoint import atomic
 
 
 @pytest.mark.parametrize('keep, rounds', [(0, []), (2, [3, 4])])
 def test_samples_keep_counts_rounds_and_zero_keeps_none(tmp_path, keep, rounds):
   for step in (1, 2, 3, 4):
     phases.write_samples(tmp_path, 0, step, [f'text {step}'], keep)
-  written = json.loads((tmp_path / phases.SAMPLES).read_text())
+  written = json.loads((tmp_path / workdir_lib.SAMPLES).read_text())
   assert [r['step'] for r in written['rounds']] == rounds
 
 
@@ -23,21 +25,21 @@ def test_a_negative_samples_keep_is_a_config_error():
   config = tiny.get_config()
   config.samples.keep = -1
   with pytest.raises(ConfigError, match='E-CONFIG-001: samples.keep=-1'):
-    train.validate_config(config)
+    config_lib.validate_config(config)
 
 
 def test_pivot_makes_the_archive_durable_before_moving_files_into_it(tmp_path, monkeypatch):
   (tmp_path / 'checkpoints').mkdir()
   RunLog(tmp_path)
-  for name in (phases.SAMPLES, phases.BANDIT):
+  for name in (workdir_lib.SAMPLES, workdir_lib.BANDIT):
     (tmp_path / name).write_text('{}')
   order = []
-  real_fsync, real_replace = layout.fsync_dir, phases.os.replace
-  monkeypatch.setattr(layout, 'fsync_dir', lambda p: (order.append(('fsync', p.name)),
-                                                      real_fsync(p)))
-  monkeypatch.setattr(phases.os, 'replace', lambda a, b: (order.append(('move', a.name)),
-                                                          real_replace(a, b)))
-  assert phases.pivot(tmp_path) == (1, [phases.SAMPLES, phases.BANDIT])
-  first_move = order.index(('move', phases.SAMPLES))
-  assert ('fsync', phases.ARCHIVE) in order[:first_move]  # the entry of phase-0 in archive/
+  real_fsync, real_replace = atomic.fsync_dir, phases.os.replace
+  monkeypatch.setattr(atomic, 'fsync_dir', lambda p: (order.append(
+      ('fsync', p.name)), real_fsync(p)))
+  monkeypatch.setattr(phases.os, 'replace', lambda a, b: (order.append(
+      ('move', a.name)), real_replace(a, b)))
+  assert phases.pivot(tmp_path) == (1, [workdir_lib.SAMPLES, workdir_lib.BANDIT])
+  first_move = order.index(('move', workdir_lib.SAMPLES))
+  assert ('fsync', workdir_lib.ARCHIVE) in order[:first_move]  # the entry of phase-0 in archive/
   assert ('fsync', tmp_path.name) in order[:first_move]  # the entry of archive/ in the workdir

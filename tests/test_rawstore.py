@@ -119,8 +119,8 @@ def test_aligned_empty_buffers_are_zero_padded(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(__import__('os'), 'O_DIRECT'), reason='no O_DIRECT here')
-def test_a_filesystem_that_fails_direct_transfers_falls_back_to_buffered(tmp_path, monkeypatch,
-                                                                         caplog):
+def test_a_filesystem_that_fails_direct_transfers_falls_back_to_buffered(
+    tmp_path, monkeypatch, caplog):
   """Some mounts accept O_DIRECT at open and fail each transfer with EINVAL: write and read
   still work (buffered + fsync), and the path taken is logged once."""
   import errno
@@ -130,10 +130,12 @@ def test_a_filesystem_that_fails_direct_transfers_falls_back_to_buffered(tmp_pat
   real_pwrite, real_preadv = os.pwrite, os.preadv
 
   def refuse_direct(real):
+
     def transfer(fd, *args):
       if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
         raise OSError(errno.EINVAL, 'Invalid argument')
       return real(fd, *args)
+
     return transfer
 
   monkeypatch.setattr(os, 'pwrite', refuse_direct(real_pwrite))

@@ -8,14 +8,12 @@ commits, and then started again with the same command.
 import json
 import shutil
 import signal
-import subprocess
-import sys
 
 import pytest
 
-from conftest import (REPO, assert_same_bytes, committed_steps, flip_a_data_byte, read_arrays,
-                      read_events, wait_for)
-from jaxckpt.runlog import read_loss_history
+from conftest import (TWO_SOURCES, assert_same_bytes, checkpoint_arrays, committed_steps, events_of,
+                      flip_a_data_byte, jaxckpt_cli, losses, read_events, wait_for)
+from jaxckpt.runlog import read_status
 
 STEPS = 80
 KILL_AFTER = 20
@@ -30,24 +28,16 @@ def straight(trainer, tmp_path_factory):
   runs = {}
   for devices, mesh in MESHES.items():
     workdir = tmp_path_factory.mktemp(f'straight{devices}')
-    r = trainer.run(workdir, *RUN_FLAGS, *mesh, devices=devices)
+    r = trainer.train(workdir, *RUN_FLAGS, *mesh, devices=devices)
     assert r.returncode == 0, r.stderr
     runs[devices] = workdir
   return runs
 
 
-def final_arrays(workdir):
-  return read_arrays(workdir / 'checkpoints' / f'step_{STEPS:08d}')
-
-
-def losses(workdir):
-  return {step: row['loss'] for step, row in read_loss_history(workdir).items()}
-
-
 @pytest.mark.parametrize('devices, stop', [(1, signal.SIGKILL), (8, signal.SIGKILL),
                                            (1, signal.SIGTERM), (8, signal.SIGTERM)])
 def test_stopped_run_continued_by_the_same_command_is_bit_exact(trainer, straight, tmp_path,
-                                                                 devices, stop):
+                                                                devices, stop):
   proc = trainer.start(tmp_path, *RUN_FLAGS, *MESHES[devices], devices=devices)
   wait_for(lambda: KILL_AFTER in committed_steps(tmp_path), proc)
   proc.send_signal(stop)
@@ -56,15 +46,15 @@ def test_stopped_run_continued_by_the_same_command_is_bit_exact(trainer, straigh
   survived = committed_steps(tmp_path)
   assert max(survived) < STEPS, 'the run finished before it could be killed'
 
-  again = trainer.run(tmp_path, *RUN_FLAGS, *MESHES[devices], devices=devices)
+  again = trainer.train(tmp_path, *RUN_FLAGS, *MESHES[devices], devices=devices)
   assert again.returncode == 0, again.stderr
 
-  resumed = [e for e in read_events(tmp_path) if e['event'] == 'resumed']
+  resumed = events_of(tmp_path, 'resumed')
   assert [e['step'] for e in resumed] == [max(survived)]
-  assert_same_bytes(final_arrays(tmp_path), final_arrays(straight[devices]))
+  assert_same_bytes(checkpoint_arrays(tmp_path, STEPS), checkpoint_arrays(straight[devices], STEPS))
   assert losses(tmp_path) == losses(straight[devices])
   assert sorted(losses(tmp_path)) == list(range(1, STEPS + 1))
-  status = json.loads((tmp_path / 'status.json').read_text())
+  status = read_status(tmp_path)
   assert status['state'] == 'finished' and status['step'] == STEPS
 
 
@@ -72,14 +62,14 @@ def test_loss_history_keeps_replayed_steps_as_a_new_segment(trainer, straight, t
   """Resuming an explicit older checkpoint replays steps; the history keeps both segments."""
   workdir = tmp_path / 'run'
   shutil.copytree(straight[1], workdir)
-  r = trainer.run(workdir, *RUN_FLAGS, f'--resume={workdir}/checkpoints/step_00000040')
+  r = trainer.train(workdir, *RUN_FLAGS, f'--resume={workdir}/checkpoints/step_00000040')
   assert r.returncode == 0, r.stderr
   rows = [json.loads(line) for line in (workdir / 'loss.jsonl').read_text().splitlines()]
   assert [row['step'] for row in rows] == list(range(1, STEPS + 1)) + list(range(41, STEPS + 1))
   assert {row['segment'] for row in rows[STEPS:]} == {1}
   # The replay rewrote the checkpoints of steps 50..80 over the first history's (each swapped in
   # atomically). Compared here: the last one, and each step's loss as the replay recorded it.
-  assert_same_bytes(final_arrays(workdir), final_arrays(straight[1]))
+  assert_same_bytes(checkpoint_arrays(workdir, STEPS), checkpoint_arrays(straight[1], STEPS))
   assert losses(workdir) == losses(straight[1])
 
 
@@ -91,16 +81,14 @@ def test_debris_is_never_resumed_and_is_cleaned(trainer, straight, tmp_path):
   shutil.copytree(ckpts / 'step_00000080', ckpts / 'step_00000090')
   (ckpts / 'step_00000090' / 'manifest.json').unlink()
   shutil.copytree(ckpts / 'step_00000080', ckpts / 'step_00000100.tmp-0123456789ab')
-  r = trainer.run(workdir, *RUN_FLAGS)
+  r = trainer.train(workdir, *RUN_FLAGS)
   assert r.returncode == 0, r.stderr
-  events = read_events(workdir)
-  assert [e['step'] for e in events if e['event'] == 'resumed'] == [STEPS]
-  cleaned = [e for e in events if e['event'] == 'cleaned']
+  assert [e['step'] for e in events_of(workdir, 'resumed')] == [STEPS]
+  cleaned = events_of(workdir, 'cleaned')
   assert len(cleaned) == 1 and len(cleaned[0]['paths']) == 2
   assert sorted(p.name for p in ckpts.iterdir()) == [f'step_{s:08d}' for s in range(10, 81, 10)]
 
 
-TWO_SOURCES = str(REPO / 'tests' / 'configs' / 'two_sources.py')
 TWO_FLAGS = (f'--config={TWO_SOURCES}', '--config.train.steps=60', '--checkpoint_every=10',
              '--checkpoint_mode=async', '--config.train.log_every=10', '--keep=0')
 
@@ -108,8 +96,11 @@ TWO_FLAGS = (f'--config={TWO_SOURCES}', '--config.train.steps=60', '--checkpoint
 def checkpoint_files(step_dir):
   """{relative path: bytes} of every file of a checkpoint but its manifest (which records when
   it was committed)."""
-  return {str(p.relative_to(step_dir)): p.read_bytes() for p in sorted(step_dir.rglob('*'))
-          if p.is_file() and p.name != 'manifest.json'}
+  return {
+      str(p.relative_to(step_dir)): p.read_bytes()
+      for p in sorted(step_dir.rglob('*'))
+      if p.is_file() and p.name != 'manifest.json'
+  }
 
 
 def test_async_checkpoints_hold_the_run_state_of_their_own_step(trainer, tmp_path):
@@ -117,11 +108,11 @@ def test_async_checkpoints_hold_the_run_state_of_their_own_step(trainer, tmp_pat
   the bandit of its own step, and a killed and resumed run ends with every file of its final
   checkpoint (run_state.json included) byte-identical to an uninterrupted run's."""
   straight = tmp_path / 'straight'
-  r = trainer.run(straight, *TWO_FLAGS)
+  r = trainer.train(straight, *TWO_FLAGS)
   assert r.returncode == 0, r.stderr
   for step in (10, 30, 60):
-    run_state = json.loads((straight / 'checkpoints' / f'step_{step:08d}' /
-                            'run_state.json').read_text())
+    run_state = json.loads(
+        (straight / 'checkpoints' / f'step_{step:08d}' / 'run_state.json').read_text())
     assert sum(run_state['bandit']['pulls']) == step
     assert run_state['bandit']['phase_steps'] == step
     assert all(p > 0 for p in run_state['bandit']['pulls'])  # both sources were drawn
@@ -132,36 +123,34 @@ def test_async_checkpoints_hold_the_run_state_of_their_own_step(trainer, tmp_pat
   proc.kill()
   proc.wait()
   assert max(committed_steps(killed)) < 60, 'the run finished before it could be killed'
-  again = trainer.run(killed, *TWO_FLAGS)
+  again = trainer.train(killed, *TWO_FLAGS)
   assert again.returncode == 0, again.stderr
   final = lambda workdir: checkpoint_files(workdir / 'checkpoints' / 'step_00000060')
   assert final(killed) == final(straight)
   assert losses(killed) == losses(straight)
 
 
-
-
-def test_steps_replayed_past_damaged_checkpoints_are_checkpointed_again(trainer, straight,
-                                                                       tmp_path):
+def test_steps_replayed_past_damaged_checkpoints_are_checkpointed_again(
+    trainer, straight, tmp_path):
   """`latest` passes over the damaged steps 70 and 80, continues from 60, and replaces both
   damaged checkpoints as it passes them: afterwards `jaxckpt verify` finds the run intact."""
   workdir = tmp_path / 'run'
   shutil.copytree(straight[1], workdir)
   for step in (70, 80):
     flip_a_data_byte(workdir / 'checkpoints' / f'step_{step:08d}')
-  r = trainer.run(workdir, *RUN_FLAGS)
+  r = trainer.train(workdir, *RUN_FLAGS)
   assert r.returncode == 0, r.stderr
+  assert [e['step'] for e in events_of(workdir, 'resumed')] == [60]
   events = read_events(workdir)
-  assert [e['step'] for e in events if e['event'] == 'resumed'] == [60]
   resumed_at = max(i for i, e in enumerate(events) if e['event'] == 'resumed')
   assert [e['step'] for e in events[resumed_at:] if e['event'] == 'checkpoint'] == [70, 80]
-  verify = subprocess.run([sys.executable, '-m', 'jaxckpt.cli', 'verify', str(workdir)],
-                          capture_output=True, text=True, cwd=REPO)
+  verify = jaxckpt_cli('verify', str(workdir), timeout=None)
   assert verify.returncode == 0, verify.stdout + verify.stderr
-  assert_same_bytes(final_arrays(workdir), final_arrays(straight[1]))
+  assert_same_bytes(checkpoint_arrays(workdir, STEPS), checkpoint_arrays(straight[1], STEPS))
   for step in (70, 80):
     name = f'step_{step:08d}'
     assert checkpoint_files(workdir / 'checkpoints' / name) == checkpoint_files(
         straight[1] / 'checkpoints' / name)
   assert sorted(p.name for p in (workdir / 'checkpoints').iterdir()) == [
-      f'step_{s:08d}' for s in range(10, 81, 10)]
+      f'step_{s:08d}' for s in range(10, 81, 10)
+  ]

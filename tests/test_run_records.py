@@ -4,29 +4,20 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 
 import pytest
 
-from conftest import REPO, committed_steps, read_events, wait_for
-from jaxckpt.checkpoint.lock import WorkdirLock
+from conftest import TWO_SOURCES, committed_steps, events_of, jaxckpt_cli, wait_for
+from jaxckpt.workdir import WorkdirLock
 from jaxckpt.errors import UsageError
-from jaxckpt.runlog import read_loss_history
-
-TWO_SOURCES = str(REPO / 'tests' / 'configs' / 'two_sources.py')
-
-
-def cli(*args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, '-m', 'jaxckpt.cli', *args], capture_output=True,
-                        text=True, cwd=REPO, timeout=120)
+from jaxckpt.runlog import read_loss_history, read_status
 
 
 def test_a_second_writer_is_refused_naming_the_holder(trainer, tmp_path):
   proc = trainer.start(tmp_path, '--config.train.steps=3000', '--checkpoint_every=0')
   try:
     wait_for(lambda: (tmp_path / 'loss.jsonl').exists(), proc)
-    second = trainer.run(tmp_path, '--config.train.steps=3000')
+    second = trainer.train(tmp_path, '--config.train.steps=3000')
     assert second.returncode == 2, second.stderr
     line = second.stderr.strip().splitlines()[-1]
     assert line.startswith('jaxckpt: E-LOCK-001: ')
@@ -40,9 +31,9 @@ def test_a_second_writer_is_refused_naming_the_holder(trainer, tmp_path):
 def test_a_lock_left_by_a_dead_process_is_taken_over(trainer, tmp_path):
   dead = {'pid': 999_999, 'host': socket.gethostname(), 'started_at': 1.0}
   (tmp_path / 'LOCK').write_text(json.dumps(dead))
-  r = trainer.run(tmp_path, '--config.train.steps=10')
+  r = trainer.train(tmp_path, '--config.train.steps=10')
   assert r.returncode == 0, r.stderr
-  taken = [e for e in read_events(tmp_path) if e['event'] == 'lock_taken_over']
+  taken = events_of(tmp_path, 'lock_taken_over')
   assert [e['previous']['pid'] for e in taken] == [999_999]
 
 
@@ -56,62 +47,61 @@ def test_lock_in_process(tmp_path):
 
 def test_finite_guard_stops_before_committing_and_a_resume_replays(trainer, tmp_path):
   # Train to step 20 of a 40-step run (SIGTERM-free: a shorter run with the same cadence).
-  ok = trainer.run(tmp_path, '--config.train.steps=20', '--checkpoint_every=10', '--keep=0')
+  ok = trainer.train(tmp_path, '--config.train.steps=20', '--checkpoint_every=10', '--keep=0')
   assert ok.returncode == 0, ok.stderr
-  exploding = trainer.run(tmp_path, '--config.train.steps=40', '--checkpoint_every=10',
-                          '--keep=0', '--config.train.lr=1e30', '--guard_finite')
+  exploding = trainer.train(tmp_path, '--config.train.steps=40', '--checkpoint_every=10',
+                            '--keep=0', '--config.train.lr=1e30', '--guard_finite')
   assert exploding.returncode == 1
   line = exploding.stderr.strip().splitlines()[-1]
   assert line.startswith('jaxckpt: step 30: the proposed parameter ')
   assert line.endswith(' values that are not finite; nothing was committed')
   assert 'Traceback' not in exploding.stderr
   assert committed_steps(tmp_path) == [10, 20]
-  assert json.loads((tmp_path / 'status.json').read_text())['state'] == 'failed'
-  healthy = trainer.run(tmp_path, '--config.train.steps=40', '--checkpoint_every=10',
-                        '--keep=0', '--guard_finite')
+  assert read_status(tmp_path)['state'] == 'failed'
+  healthy = trainer.train(tmp_path, '--config.train.steps=40', '--checkpoint_every=10', '--keep=0',
+                          '--guard_finite')
   assert healthy.returncode == 0, healthy.stderr
   assert committed_steps(tmp_path) == [10, 20, 30, 40]
-  assert [e['step'] for e in read_events(tmp_path) if e['event'] == 'resumed'] == [20, 20]
+  assert [e['step'] for e in events_of(tmp_path, 'resumed')] == [20, 20]
 
 
 def test_pivot_and_zombie_arm(trainer, tmp_path):
   extra = tmp_path / 'extra.txt'
   extra.write_text('the quick brown fox jumps over the lazy dog. ' * 400)
-  run = tmp_path / 'run'
+  workdir = tmp_path / 'run'
   both = (f'--config={TWO_SOURCES}', f'--config.data.sources.extra=("{extra}",)',
           '--checkpoint_every=10', '--keep=0', '--config.train.log_every=10')
-  r = trainer.run(run, *both, '--config.train.steps=40')
+  r = trainer.train(workdir, *both, '--config.train.steps=40')
   assert r.returncode == 0, r.stderr
-  mirror = json.loads((run / 'bandit.json').read_text())
+  mirror = json.loads((workdir / 'bandit.json').read_text())
   assert sorted(mirror['arms']) == ['extra', 'main'] and sum(mirror['pulls']) == 40
   assert all(p > 0 for p in mirror['pulls'])
 
   # The `extra` source leaves the config: its arm is dropped on resume, never sampled again.
   flags = ('--checkpoint_every=10', '--keep=0', '--config.train.log_every=10')
-  r = trainer.run(run, *flags, '--config.train.steps=60')
+  r = trainer.train(workdir, *flags, '--config.train.steps=60')
   assert r.returncode == 0, r.stderr
-  assert [e['arms'] for e in read_events(run) if e['event'] == 'bandit_arms_dropped'] == [['extra']]
+  assert [e['arms'] for e in events_of(workdir, 'bandit_arms_dropped')] == [['extra']]
   assert 'dropped bandit arm(s) whose data source is no longer configured: extra' in r.stderr
-  mirror = json.loads((run / 'bandit.json').read_text())
+  mirror = json.loads((workdir / 'bandit.json').read_text())
   assert mirror['arms'] == ['main'] and mirror['phase_steps'] == 60
 
   # A pivot archives the phase's satellites; the next start has a fresh bandit, same history.
-  pivot = cli('pivot', f'--workdir={run}')
+  pivot = jaxckpt_cli('pivot', f'--workdir={workdir}')
   assert pivot.returncode == 0, pivot.stderr
-  archive = run / 'archive' / 'phase-0'
+  archive = workdir / 'archive' / 'phase-0'
   assert sorted(os.listdir(archive)) == ['bandit.json', 'samples.json']
-  assert not (run / 'bandit.json').exists() and not (run / 'samples.json').exists()
-  r = trainer.run(run, *both, '--config.train.steps=80')
+  assert not (workdir / 'bandit.json').exists() and not (workdir / 'samples.json').exists()
+  r = trainer.train(workdir, *both, '--config.train.steps=80')
   assert r.returncode == 0, r.stderr
-  events = read_events(run)
-  assert [e['phase'] for e in events if e['event'] == 'pivot'] == [1]
-  assert [e['phase'] for e in events if e['event'] == 'bandit_reset'] == [1]
-  mirror = json.loads((run / 'bandit.json').read_text())
+  assert [e['phase'] for e in events_of(workdir, 'pivot')] == [1]
+  assert [e['phase'] for e in events_of(workdir, 'bandit_reset')] == [1]
+  mirror = json.loads((workdir / 'bandit.json').read_text())
   assert mirror['phase'] == 1 and mirror['phase_steps'] == 20 and sum(mirror['pulls']) == 20
-  assert json.loads((run / 'samples.json').read_text())['phase'] == 1
-  assert sorted(read_loss_history(run)) == list(range(1, 81))
-  assert [e['step'] for e in events if e['event'] == 'resumed'] == [40, 60]
+  assert json.loads((workdir / 'samples.json').read_text())['phase'] == 1
+  assert sorted(read_loss_history(workdir)) == list(range(1, 81))
+  assert [e['step'] for e in events_of(workdir, 'resumed')] == [40, 60]
 
-  plot = cli('plot', f'--workdir={run}')
+  plot = jaxckpt_cli('plot', f'--workdir={workdir}')
   assert plot.returncode == 0, plot.stderr
-  assert (run / 'loss.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  assert (workdir / 'loss.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'

@@ -1,6 +1,6 @@
 import json
 
-from jaxckpt.runlog import LOSS, RunLog, read_jsonl, read_loss_history, read_status
+from jaxckpt.runlog import LOSSES, RunLog, read_jsonl, read_loss_history, read_status
 
 
 def test_a_line_cut_by_a_crash_costs_only_itself(tmp_path):
@@ -22,7 +22,7 @@ def test_segments_count_starts_and_the_newest_segment_wins(tmp_path):
   second.losses([{'step': s, 'loss': 100.0 + s} for s in (2, 3, 4)])
   history = read_loss_history(tmp_path)
   assert {s: r['loss'] for s, r in history.items()} == {1: 9.0, 2: 102.0, 3: 103.0, 4: 104.0}
-  lines = (tmp_path / LOSS).read_text().splitlines()
+  lines = (tmp_path / LOSSES).read_text().splitlines()
   assert len(lines) == 6  # nothing rewritten: both versions of steps 2 and 3 are there
   assert [json.loads(l)['segment'] for l in lines] == [0, 0, 0, 1, 1, 1]
 

@@ -1,6 +1,5 @@
 """Preemption signals against the real trainer process: exit codes, checkpoints, records."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,9 +9,9 @@ import time
 
 import pytest
 
-from conftest import REPO, committed_steps, read_events, subprocess_env, wait_for
+from conftest import REPO, committed_steps, events_of, subprocess_env, wait_for
 from jaxckpt.checkpoint import signals
-from jaxckpt.runlog import read_loss_history
+from jaxckpt.runlog import read_loss_history, read_status
 
 STEPS = 400
 FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=50', '--config.train.log_every=5',
@@ -23,34 +22,29 @@ def training_has_begun(workdir):
   return lambda: (workdir / 'loss.jsonl').exists() and (workdir / 'loss.jsonl').stat().st_size
 
 
-def status(workdir):
-  return json.loads((workdir / 'status.json').read_text())
-
-
 def assert_stopped_cleanly(workdir, proc, out, signum):
   name = signal.Signals(signum).name
   assert proc.returncode == 128 + signum, out
-  st = status(workdir)
+  st = read_status(workdir)
   step = st['step']
   assert st['state'] == 'interrupted' and 0 < step < STEPS
   assert max(committed_steps(workdir)) == step  # the interrupted step itself is on disk
   assert max(read_loss_history(workdir)) == step
   assert f'jaxckpt: interrupted by {name} at step {step}' in out
-  assert [e['step'] for e in read_events(workdir) if e['event'] == 'interrupted'] == [step]
+  assert [e['step'] for e in events_of(workdir, 'interrupted')] == [step]
   return step
 
 
 def assert_same_command_finishes(trainer, workdir, step, *flags):
-  again = trainer.run(workdir, *(flags or FLAGS))
+  again = trainer.train(workdir, *(flags or FLAGS))
   assert again.returncode == 0, again.stderr
-  assert [e['step'] for e in read_events(workdir) if e['event'] == 'resumed'][-1] == step
-  assert status(workdir)['state'] == 'finished'
+  assert [e['step'] for e in events_of(workdir, 'resumed')][-1] == step
+  assert read_status(workdir)['state'] == 'finished'
   assert sorted(read_loss_history(workdir)) == list(range(1, STEPS + 1))
 
 
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
-def test_stop_signal_checkpoints_the_current_step_and_exits_128_plus_n(trainer, tmp_path,
-                                                                        signum):
+def test_stop_signal_checkpoints_the_current_step_and_exits_128_plus_n(trainer, tmp_path, signum):
   proc = trainer.start(tmp_path, *FLAGS)
   wait_for(training_has_begun(tmp_path), proc)
   proc.send_signal(signum)
@@ -78,7 +72,7 @@ def test_sigterm_and_sighup_together_still_checkpoint(trainer, tmp_path):
   proc.send_signal(signal.SIGHUP)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode in (128 + signal.SIGTERM, 128 + signal.SIGHUP), out
-  st = status(tmp_path)
+  st = read_status(tmp_path)
   assert st['state'] == 'interrupted' and max(committed_steps(tmp_path)) == st['step']
 
 
@@ -89,11 +83,11 @@ def test_signal_before_the_first_step_loses_nothing(trainer, tmp_path):
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == 128 + signal.SIGTERM, out
-  st = status(tmp_path)
+  st = read_status(tmp_path)
   assert st['state'] == 'interrupted'
   # Either it stopped before step 1 (no checkpoint) or it had trained and saved that step.
   assert committed_steps(tmp_path) == ([st['step']] if st['step'] else [])
-  again = trainer.run(tmp_path, *FLAGS)
+  again = trainer.train(tmp_path, *FLAGS)
   assert again.returncode == 0, again.stderr
   assert sorted(read_loss_history(tmp_path)) == list(range(1, STEPS + 1))
 
@@ -107,10 +101,10 @@ def test_sigusr1_checkpoints_and_keeps_training(trainer, tmp_path):
   assert proc.returncode == 0, out
   steps = committed_steps(tmp_path)
   assert len(steps) == 2 and 0 < steps[0] < STEPS and steps[1] == STEPS
-  assert status(tmp_path)['state'] == 'finished'
+  assert read_status(tmp_path)['state'] == 'finished'
 
 
-WATCHER = textwrap.dedent('''
+WATCHER = textwrap.dedent("""
     import os, signal, sys, time
     from jaxckpt.checkpoint.signals import PreemptionWatcher
     first, second = (getattr(signal, name) for name in sys.argv[1:])
@@ -121,7 +115,7 @@ WATCHER = textwrap.dedent('''
       os.kill(os.getpid(), second)
       time.sleep(0.01)
       print('still running', flush=True)
-''')
+""")
 
 
 @pytest.mark.parametrize('first, second, code, survives', [
@@ -133,8 +127,12 @@ WATCHER = textwrap.dedent('''
     ('SIGTERM', 'SIGHUP', 0, True),
 ])
 def test_second_signal(first, second, code, survives):
-  r = subprocess.run([sys.executable, '-c', WATCHER, first, second], capture_output=True,
-                     text=True, cwd=REPO, timeout=60, env=subprocess_env(REPO))
+  r = subprocess.run([sys.executable, '-c', WATCHER, first, second],
+                     capture_output=True,
+                     text=True,
+                     cwd=REPO,
+                     timeout=60,
+                     env=subprocess_env(REPO))
   assert r.returncode == code, r.stderr
   assert r.stdout.startswith(f'stop requested by {first}')
   assert ('still running' in r.stdout) == survives
@@ -240,7 +238,7 @@ def test_stop_signal_while_importing_stops_before_the_first_step(trainer, tmp_pa
   assert proc.returncode == 128 + signum, out
   assert 'Traceback' not in out
   assert out.strip().splitlines()[-1] == f'jaxckpt: interrupted by {name} at step 0'
-  assert status(workdir)['state'] == 'interrupted' and status(workdir)['step'] == 0
+  assert read_status(workdir)['state'] == 'interrupted' and read_status(workdir)['step'] == 0
   assert committed_steps(workdir) == [] and not (workdir / 'loss.jsonl').exists()
 
 
@@ -294,4 +292,4 @@ def test_signal_after_the_last_step_leaves_the_run_finished(trainer, tmp_path, s
     pytest.fail('the trainer always exited before it could be stopped after its last step')
   assert proc.returncode == 0, out
   assert 'Traceback' not in out and 'jaxckpt: ' not in out
-  assert status(workdir)['state'] == 'finished' and committed_steps(workdir) == [5, 10]
+  assert read_status(workdir)['state'] == 'finished' and committed_steps(workdir) == [5, 10]

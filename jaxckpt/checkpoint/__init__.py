@@ -1,23 +1,40 @@
-"""jaxckpt.checkpoint: an async, preemption-safe checkpoint manager for any JAX loop.
+"""An async, preemption-safe checkpoint manager for any JAX loop.
 
-It imports nothing of the trainer; see `CheckpointManager`. The manager (and with it jax and
-orbax) is imported on first use, so light tools (`jaxckpt inspect`) can read manifests through
-`jaxckpt.checkpoint.manifest` and `layout` without paying for jax.
+It imports nothing outside itself: the package can be copied into another project and used
+alone (see `CheckpointManager`). The manager (and with it jax and orbax) is imported on first
+use, so light tools can read manifests through `manifest`, `layout` and `discovery` without
+paying for jax.
+
+    manager     CheckpointManager: async save, atomic commit, retention, restore
+    options     CheckpointOptions (cadence, mode, retention) and CommitInfo (what a commit cost)
+    staging     the device -> host copy a save waits for
+    rawstore    one flat O_DIRECT file per checkpoint (one process); orbaxstore across processes
+    manifest    the commit marker: every file's size and CRC-32, the tensor table, its seal
+    layout      names on disk, committed steps, debris;  atomic: durable writes and swaps
+    discovery   the newest intact checkpoint; checking one while a live run changes it
+    policy      when to save and what to keep;  signals: preemption signals as flags
+    tree        leaf names and tensor tables;  checksum: CRC-32;  errors: CheckpointError
 """
 
 import importlib
 
-from jaxckpt.checkpoint.layout import committed_steps, step_dirname
-from jaxckpt.checkpoint.policy import RetentionPolicy, SavePolicy
+from .errors import ArgumentError, CheckpointError
+from .layout import committed_steps, step_dirname
+from .options import CheckpointOptions, CommitInfo
+from .policy import RetentionPolicy, SavePolicy
 
-_LAZY = {'CheckpointManager': 'manager', 'CheckpointOptions': 'manager', 'CommitInfo': 'manager',
-         'named_leaves': 'manager'}
+_LAZY = {
+    'CheckpointManager': 'manager', 'CheckpointOptions': 'manager', 'CommitInfo': 'manager',
+    'named_leaves': 'tree'
+}
 
-__all__ = ['CheckpointManager', 'CheckpointOptions', 'CommitInfo', 'RetentionPolicy',
-           'SavePolicy', 'committed_steps', 'named_leaves', 'step_dirname']
+__all__ = [
+    'ArgumentError', 'CheckpointError', 'CheckpointManager', 'CheckpointOptions', 'CommitInfo',
+    'RetentionPolicy', 'SavePolicy', 'committed_steps', 'named_leaves', 'step_dirname'
+]
 
 
 def __getattr__(name):
   if name in _LAZY:
-    return getattr(importlib.import_module(f'jaxckpt.checkpoint.{_LAZY[name]}'), name)
+    return getattr(importlib.import_module(f'{__name__}.{_LAZY[name]}'), name)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

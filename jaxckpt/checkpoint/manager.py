@@ -18,7 +18,6 @@ committed. The manager does not import the trainer: any pytree of arrays can be 
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import logging
 import os
@@ -30,144 +29,17 @@ from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
-from jaxckpt.checkpoint import layout, manifest, rawstore
-from jaxckpt.checkpoint.policy import RetentionPolicy, SavePolicy
-from jaxckpt.checkpoint.staging import HostStager
-from jaxckpt.errors import CheckpointError, JaxckptError, UsageError
+from . import atomic, layout, manifest, orbaxstore, rawstore
+from .policy import RetentionPolicy, SavePolicy
+from .staging import HostStager, Unstaged, available_host_memory, choose_mode
+from .tree import avals, check_fits, named_leaves, tensor_table
+from .errors import CheckpointError
+from .options import CheckpointOptions, CommitInfo
 
-MODES = ('auto', 'async', 'sync')
 RAW_DATA = f'{layout.STATE_DIR}/{rawstore.DATA}'  # the raw store's data file, in a manifest
-STORAGES = ('auto', 'raw', 'orbax')
 
 _log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointOptions:
-  """How and when a manager saves. Zero turns a cadence or retention rule off."""
-  every_steps: int = 0          # save when step % every_steps == 0
-  every_secs: float = 0.0       # save when this many seconds passed since the last save
-  mode: str = 'auto'            # async: stage then write in the background; sync: write inline;
-                                # auto: async when host memory has room for a staged copy, else
-                                # write inline from the arrays themselves (no staged copy)
-  keep: int = 3                 # newest checkpoints kept (0 keeps all)
-  keep_every: int = 0           # steps divisible by this are kept forever
-  verify_checksums: bool = True  # check every file's CRC before restoring it
-  storage: str = 'auto'         # raw: jaxckpt's flat file; orbax: tensorstore; auto: raw when
-                                # one process holds every array, orbax across processes
-
-  def __post_init__(self):
-    if self.mode not in MODES:
-      raise UsageError('E-CONFIG-004', f'checkpoint mode {self.mode!r} is not one of {MODES}',
-                       'use --checkpoint_mode=auto|async|sync')
-    if self.storage not in STORAGES:
-      raise UsageError('E-CONFIG-004', f'checkpoint storage {self.storage!r} is not one of '
-                       f'{STORAGES}', 'use auto, raw or orbax')
-    for field in ('every_steps', 'every_secs', 'keep', 'keep_every'):
-      if getattr(self, field) < 0:
-        raise UsageError('E-CONFIG-004', f'checkpoint {field}={getattr(self, field)} is negative',
-                         'use 0 to turn it off')
-
-
-@dataclasses.dataclass(frozen=True)
-class CommitInfo:
-  """What one committed save cost; handed to `on_commit` callbacks."""
-  step: int
-  path: Path
-  bytes: int
-  seconds_blocked: float    # the caller's wait: previous save + device->host copy
-  seconds_to_commit: float  # from the call of save() to the manifest being durable
-  deleted: tuple[int, ...]  # older steps removed by retention after this commit
-  # Older steps retention could not remove, with why ('step 100: PermissionError: ...'). The
-  # commit stands; the next commit tries again, and the next writer's start removes half-deleted
-  # ones as debris.
-  retention_errors: tuple[str, ...] = ()
-  # The host copy that was just written, by leaf name ('params/h/0/attn/c_attn/kernel', ...).
-  # IMPORTANT: valid only until the next save starts (it reuses these buffers). The next save
-  # waits for the callback, so reading them inside it (e.g. to export) is safe; keep no reference.
-  staged: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
-
-
-def leaf_name(path) -> str:
-  return jax.tree_util.keystr(path, simple=True, separator='/')
-
-
-def named_leaves(tree) -> dict[str, Any]:
-  """{'params/h/0/attn/c_attn/kernel': leaf, ...} in tree order."""
-  leaves, treedef = jax.tree_util.tree_flatten(tree)
-  names = _NAMES.get(treedef)
-  if names is None:
-    # Building 449 path strings costs ~1 ms, on every save; a tree structure's names never change.
-    if len(_NAMES) >= 64:
-      _NAMES.clear()
-    names = _NAMES[treedef] = tuple(
-        leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
-  return dict(zip(names, leaves))
-
-
-_NAMES: dict[Any, tuple[str, ...]] = {}
-
-
-def avals(leaves: Mapping[str, Any]) -> dict[str, tuple[Any, Any, Any]]:
-  """{name: (shape, dtype, sharding)}: what `tensor_table` needs, without holding the arrays."""
-  return {n: (np.shape(x), x.dtype, getattr(x, 'sharding', None)) for n, x in leaves.items()}
-
-
-def tensor_table(avals: Mapping[str, tuple[Any, Any, Any]]) -> list[dict[str, Any]]:
-  """The manifest's tensor list: name, shape, dtype and partition spec of each leaf."""
-  return [{'name': n, 'shape': list(shape), 'dtype': str(np.dtype(dtype)),
-           'spec': _spec(sharding)} for n, (shape, dtype, sharding) in avals.items()]
-
-
-def _spec(sharding) -> str | None:
-  spec = getattr(sharding, 'spec', None)
-  return None if spec is None else str(tuple(spec))
-
-
-def available_host_memory(meminfo: str = '/proc/meminfo') -> int | None:
-  """Bytes the kernel can hand out without swapping (`MemAvailable`: free memory plus the page
-  cache it can reclaim); None where that is not known.
-
-  Free pages alone (`SC_AVPHYS_PAGES`) shrink as the page cache fills with checkpoint data the
-  kernel would drop at once, and would push `auto` to sync for no reason.
-  """
-  try:
-    with open(meminfo) as f:
-      for line in f:
-        if line.startswith('MemAvailable:'):
-          return int(line.split()[1]) * 1024
-  except (OSError, ValueError, IndexError):
-    pass
-  return None
-
-
-def choose_mode(mode: str, needed: int, available: int | None) -> str:
-  """The mode of one save: `auto` is async when the staged copy's `needed` new bytes fit twice
-  into `available` host memory (the copy, and headroom for the training step that runs beside
-  the write), else sync; unknown memory counts as room."""
-  if mode != 'auto':
-    return mode
-  return 'async' if available is None or available > 2 * needed else 'sync'
-
-
-class _Unstaged(Mapping[str, np.ndarray]):
-  """Leaves read as host arrays one at a time, when a save writes inline without a staged copy
-  (`auto` short of memory): on CPU `np.asarray` shares the device buffer, on an accelerator each
-  leaf is fetched when the writer reaches it."""
-
-  def __init__(self, leaves: Mapping[str, Any]):
-    self._leaves = leaves
-
-  def __getitem__(self, name: str) -> np.ndarray:
-    return np.asarray(self._leaves[name])
-
-  def __iter__(self):
-    return iter(self._leaves)
-
-  def __len__(self) -> int:
-    return len(self._leaves)
 
 
 class CheckpointManager:
@@ -181,9 +53,13 @@ class CheckpointManager:
     writer: False for readers (evaluators, inspection): they never create, clean or delete.
   """
 
-  def __init__(self, directory: str | os.PathLike, options: CheckpointOptions | None = None, *,
+  def __init__(self,
+               directory: str | os.PathLike,
+               options: CheckpointOptions | None = None,
+               *,
                clock: Callable[[], float] = time.monotonic,
-               on_commit: Callable[[CommitInfo], None] | None = None, writer: bool = True):
+               on_commit: Callable[[CommitInfo], None] | None = None,
+               writer: bool = True):
     self.directory = Path(directory).absolute()  # orbax wants absolute paths
     self.options = options or CheckpointOptions()
     self._clock = clock
@@ -235,11 +111,16 @@ class CheckpointManager:
     """This save's mode, decided before any host memory is allocated for it."""
     if self.options.mode != 'auto':
       return self.options.mode
-    needed = sum(int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
-                 for x in leaves.values())
+    needed = sum(
+        int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
+        for x in leaves.values())
     return choose_mode('auto', max(0, needed - self._stager.nbytes()), available_host_memory())
 
-  def save(self, step: int, state: Any, run_state: Mapping[str, Any] | None = None, *,
+  def save(self,
+           step: int,
+           state: Any,
+           run_state: Mapping[str, Any] | None = None,
+           *,
            metadata: Mapping[str, Any] | None = None,
            exclude: Callable[[str], bool] | None = None) -> None:
     """Checkpoint `state` (any pytree of arrays) as `step`.
@@ -278,7 +159,7 @@ class CheckpointManager:
     self.mode_used = mode = self._mode(leaves)
     if mode == 'sync' and self.options.mode == 'auto':
       self._stager.release()  # short of memory: write from the arrays, hold no staged copy
-      staged = _Unstaged(leaves)
+      staged = Unstaged(leaves)
     else:
       staged = self._stager.stage(leaves)
     blocked = time.perf_counter() - t0
@@ -324,12 +205,14 @@ class CheckpointManager:
       storage = self._storage()
       known = {}
       if storage == 'raw':
-        known = {f'{layout.STATE_DIR}/{k}': v
-                 for k, v in rawstore.write(tmp / layout.STATE_DIR, staged).items()}
+        known = {
+            f'{layout.STATE_DIR}/{k}': v
+            for k, v in rawstore.write(tmp / layout.STATE_DIR, staged).items()
+        }
       else:
-        _checkpointer().save(tmp / layout.STATE_DIR, args=ocp.args.PyTreeSave(dict(staged)))
+        orbaxstore.save(tmp / layout.STATE_DIR, staged)
       metadata = {**metadata, 'storage': storage}
-      layout.write_file_durably(tmp / layout.RUN_STATE, run_state_json)
+      atomic.write_file_durably(tmp / layout.RUN_STATE, run_state_json)
       files = manifest.file_table(tmp, known=known)
       sealed = manifest.sealed_json(manifest.build(step, files, table, metadata))
       final = self.step_dir(step)
@@ -337,30 +220,39 @@ class CheckpointManager:
         _replace(tmp, final, sealed)  # an earlier history reached this step too
       else:
         os.rename(tmp, final)
-        layout.fsync_dir(self.directory)
-        layout.write_file_durably(final / layout.MANIFEST, sealed)  # the commit
+        atomic.fsync_dir(self.directory)
+        atomic.write_file_durably(final / layout.MANIFEST, sealed)  # the commit
       committed = time.perf_counter()
     except BaseException as e:
       shutil.rmtree(tmp, ignore_errors=True)
       last = layout.committed_steps(self.directory) if self.directory.is_dir() else {}
       intact = f'the last committed checkpoint (step {max(last)}) is intact' if last else \
           'no earlier checkpoint exists'
-      raise CheckpointError('E-CKPT-001', f'writing checkpoint step {step} under '
-                            f'{self.directory} failed: {type(e).__name__}: {e}',
-                            f'nothing was committed for step {step}; {intact}') from e
+      raise CheckpointError(
+          'E-CKPT-001', f'writing checkpoint step {step} under '
+          f'{self.directory} failed: {type(e).__name__}: {e}',
+          f'nothing was committed for step {step}; {intact}') from e
     deleted, retention_errors = self._apply_retention()
     if self._on_commit is None:
       return
-    info = CommitInfo(step, final, sum(f['size'] for f in files.values()), blocked,
-                      committed - t0, tuple(deleted), tuple(retention_errors), staged=staged)
+    info = CommitInfo(
+        step,
+        final,
+        sum(f['size'] for f in files.values()),
+        blocked,
+        committed - t0,
+        tuple(deleted),
+        tuple(retention_errors),
+        staged=staged)
     try:
       self._on_commit(info)
-    except JaxckptError:
+    except CheckpointError:
       raise  # already says what failed and what is intact (e.g. an export)
     except Exception as e:
-      raise CheckpointError('E-CKPT-009', f'the on_commit callback after checkpoint step {step} '
-                            f'failed: {type(e).__name__}: {e}',
-                            f'checkpoint step {step} is committed and intact') from e
+      raise CheckpointError(
+          'E-CKPT-009', f'the on_commit callback after checkpoint step {step} '
+          f'failed: {type(e).__name__}: {e}',
+          f'checkpoint step {step} is committed and intact') from e
 
   def _storage(self) -> str:
     if self.options.storage != 'auto':
@@ -386,7 +278,7 @@ class CheckpointManager:
         except OSError as e:
           problems.append(f'step {step}: {type(e).__name__}: {e}')
       if deleted:
-        layout.fsync_dir(self.directory)
+        atomic.fsync_dir(self.directory)
     except Exception as e:  # listing or fsync failed: the commit before it stands all the same
       problems.append(f'{type(e).__name__}: {e}')
     for problem in problems:
@@ -398,7 +290,7 @@ class CheckpointManager:
     return manifest.read(self._resolve(step_or_dir))
 
   def read_run_state(self, step_or_dir: int | os.PathLike) -> dict[str, Any]:
-    return layout.read_json(self._resolve(step_or_dir) / layout.RUN_STATE)
+    return atomic.read_json(self._resolve(step_or_dir) / layout.RUN_STATE)
 
   def _resolve(self, step_or_dir) -> Path:
     if isinstance(step_or_dir, (int, np.integer)):
@@ -406,12 +298,15 @@ class CheckpointManager:
     return Path(step_or_dir)
 
   def verify(self, step_or_dir, *, checksums: bool | None = None) -> list[str]:
-    """Problems of a checkpoint ([] when intact): the ones `jaxckpt verify` reports, its
+    """Problems of a checkpoint ([] when intact): the ones a full verification reports, its
     manifest's own checksum included. Damage is returned, never raised."""
     checksums = self.options.verify_checksums if checksums is None else checksums
-    return manifest.check(self._resolve(step_or_dir), checksums=checksums)[1]
+    return manifest.audit(self._resolve(step_or_dir), checksums=checksums)[1]
 
-  def restore(self, step_or_dir: int | os.PathLike, target: Any, *,
+  def restore(self,
+              step_or_dir: int | os.PathLike,
+              target: Any,
+              *,
               only: Callable[[str], bool] | None = None,
               verify: bool = True) -> tuple[Any, dict[str, Any]]:
     """Load a committed checkpoint into the structure, shapes, dtypes and shardings of `target`.
@@ -433,31 +328,35 @@ class CheckpointManager:
     if verify:
       # The raw data file's CRC is checked while it is read below (array by array when `only`
       # picks a subset): one pass over the data, not two.
-      _, problems = manifest.check(step_dir, meta, checksums=checksums,
-                                   skip_checksum=[RAW_DATA] if raw else [])
+      _, problems = manifest.audit(
+          step_dir, meta, checksums=checksums, skip_checksum=[RAW_DATA] if raw else [])
       if problems:
-        raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problems[0]}'
-                              + (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
-                              'resume from an earlier checkpoint')
+        raise CheckpointError(
+            'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +
+            (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
+            'resume from an earlier checkpoint')
     want = named_leaves(target)
     saved = {t['name']: t for t in meta['tensors'] if only is None or only(t['name'])}
-    _check_compatible(step_dir, saved, want)
+    check_fits(step_dir, saved, want)
     if raw:
+
       def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         # Each run of arrays as soon as it is read, overlapping the next reads; one batched call
         # per run (andrea_12m's 233 leaves: 6 ms batched, 9 ms one device_put per leaf).
-        return dict(zip(arrays, jax.device_put(list(arrays.values()),
-                                               [want[n].sharding for n in arrays])))
+        return dict(
+            zip(arrays, jax.device_put(list(arrays.values()), [want[n].sharding for n in arrays])))
 
       restored = rawstore.read(
-          step_dir / layout.STATE_DIR, list(want), place=place,
+          step_dir / layout.STATE_DIR,
+          list(want),
+          place=place,
           expect_crc32=meta['files'][RAW_DATA]['crc32'] if checksums else None,
           direct=verify)  # unverified: the caller's check just read the file
     else:
-      restored = _orbax_restore(step_dir, want, partial=only is not None)
+      restored = orbaxstore.restore(step_dir / layout.STATE_DIR, want, partial=only is not None)
     leaves = [restored[n] for n in want]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
-    return state, layout.read_json(step_dir / layout.RUN_STATE)
+    return state, atomic.read_json(step_dir / layout.RUN_STATE)
 
 
 def _json_bytes(obj: Any) -> bytes:
@@ -472,19 +371,11 @@ def _replace(tmp: Path, final: Path, sealed: bytes) -> None:
   """Commit `tmp` as `final` where `final` is already a checkpoint, never leaving neither.
 
   The manifest goes into `tmp` first, so `tmp` is a complete checkpoint under a temporary name
-  (debris to any reader); one exchange then swaps the two names. Before it the old checkpoint is
-  in place, after it the new one, and the old one, now under the temporary name, is removed.
+  (debris to any reader); one exchange then swaps the two names (`atomic.publish_dir`).
   """
-  layout.write_file_durably(tmp / layout.MANIFEST, sealed)
-  if not layout.exchange(tmp, final):
-    # No RENAME_EXCHANGE here (not Linux, or a filesystem without it): two renames, with a
-    # window in which a crash leaves this step only as debris. Older steps are untouched.
-    aside = layout.deleting_dir(final.parent, int(final.name.split('_')[1]))
-    os.rename(final, aside)
-    os.rename(tmp, final)
-    tmp = aside
-  layout.fsync_dir(final.parent)
-  shutil.rmtree(tmp, ignore_errors=True)
+  atomic.write_file_durably(tmp / layout.MANIFEST, sealed)
+  atomic.publish_dir(tmp, final)
+  atomic.fsync_dir(final.parent)
 
 
 def read_host_arrays(step_dir: os.PathLike) -> dict[str, np.ndarray]:
@@ -496,37 +387,5 @@ def read_host_arrays(step_dir: os.PathLike) -> dict[str, np.ndarray]:
   step_dir = Path(step_dir).absolute()
   meta = manifest.read(step_dir)
   if meta.get('storage') == 'raw':
-    return rawstore.read(step_dir / layout.STATE_DIR,
-                         expect_crc32=meta['files'][RAW_DATA]['crc32'])
-  args = {t['name']: ocp.RestoreArgs(restore_type=np.ndarray) for t in meta['tensors']}
-  restored = _checkpointer().restore(step_dir / layout.STATE_DIR,
-                                     args=ocp.args.PyTreeRestore(restore_args=args))
-  return {k: np.asarray(v) for k, v in restored.items()}
-
-
-def _orbax_restore(step_dir: Path, want: Mapping[str, Any], *, partial: bool) -> dict[str, Any]:
-  item = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) for n, x in want.items()}
-  restore_args = {n: ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
-                                          dtype=x.dtype) for n, x in want.items()}
-  return _checkpointer().restore(step_dir / layout.STATE_DIR, args=ocp.args.PyTreeRestore(
-      item=item, restore_args=restore_args, partial_restore=partial))
-
-
-def _check_compatible(step_dir: Path, saved: Mapping[str, Any], want: Mapping[str, Any]) -> None:
-  new, gone = sorted(set(want) - set(saved)), sorted(set(saved) - set(want))
-  if new or gone:
-    raise CheckpointError('E-PARAM-001', f'{step_dir} does not fit this model: '
-                          + '; '.join(filter(None, [f'new {new[:5]}' if new else '',
-                                                   f'gone {gone[:5]}' if gone else ''])),
-                          'resume with the config that wrote it, or start a new workdir')
-  for name, x in want.items():
-    s = saved[name]
-    if tuple(s['shape']) != tuple(x.shape) or s['dtype'] != str(np.dtype(x.dtype)):
-      raise CheckpointError('E-PARAM-002', f'{name}: checkpoint has {s["dtype"]}{s["shape"]}, '
-                            f'model wants {np.dtype(x.dtype)}{list(x.shape)}',
-                            'resume with the config that wrote it, or start a new workdir')
-
-
-def _checkpointer() -> ocp.Checkpointer:
-  # zstd costs ~35% of save time on incompressible weights and saves almost nothing: off.
-  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+    return rawstore.read(step_dir / layout.STATE_DIR, expect_crc32=meta['files'][RAW_DATA]['crc32'])
+  return orbaxstore.read_host(step_dir / layout.STATE_DIR, [t['name'] for t in meta['tensors']])

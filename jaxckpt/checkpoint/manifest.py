@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from jaxckpt.checkpoint import layout
-from jaxckpt.checkpoint.checksum import crc32
-from jaxckpt.errors import CheckpointError
+from . import atomic, layout
+from .checksum import crc32
+from .errors import CheckpointError
 
 FORMAT = 'jaxckpt.checkpoint'
 FORMAT_VERSION = 1
@@ -36,7 +36,9 @@ def crc32_file(path: Path, *, fsync: bool = False) -> tuple[int, str]:
   return size, f'{crc:08x}'
 
 
-def file_table(directory: Path, *, fsync: bool = True,
+def file_table(directory: Path,
+               *,
+               fsync: bool = True,
                known: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
   """{relative path: {size, crc32}} for every file under `directory`; makes them durable.
 
@@ -55,11 +57,13 @@ def file_table(directory: Path, *, fsync: bool = True,
       size, crc = crc32_file(path, fsync=fsync)
       table[rel] = {'size': size, 'crc32': crc}
     if fsync:
-      layout.fsync_dir(Path(dirpath))
+      atomic.fsync_dir(Path(dirpath))
   return table
 
 
-def build(step: int, files: Mapping[str, Any], tensors: Iterable[Mapping[str, Any]],
+def build(step: int,
+          files: Mapping[str, Any],
+          tensors: Iterable[Mapping[str, Any]],
           metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
   return {
       'format': FORMAT,
@@ -81,7 +85,7 @@ def read(step_dir: Path) -> dict[str, Any]:
   return parse(step_dir, raw)
 
 
-_UNREADABLE = 'the file is missing or corrupt; run `jaxckpt verify` on it'
+_UNREADABLE = 'the file is missing or corrupt; verify the checkpoint'
 
 
 def parse(step_dir: Path, raw: bytes) -> dict[str, Any]:
@@ -96,14 +100,17 @@ def parse(step_dir: Path, raw: bytes) -> dict[str, Any]:
     raise CheckpointError('E-CKPT-004', f'{step_dir}: manifest.json is not a jaxckpt manifest',
                           'point at a step_<n> directory written by jaxckpt')
   if m.get('format_version', 0) > FORMAT_VERSION:
-    raise CheckpointError('E-CKPT-006', f'{step_dir}: manifest format {m["format_version"]} is '
-                          f'newer than this jaxckpt understands ({FORMAT_VERSION})',
-                          'upgrade jaxckpt')
+    raise CheckpointError(
+        'E-CKPT-006', f'{step_dir}: manifest format {m["format_version"]} is '
+        f'newer than this jaxckpt understands ({FORMAT_VERSION})', 'upgrade jaxckpt')
   return m
 
 
-def verify(step_dir: Path, manifest: Mapping[str, Any] | None = None, *,
-           checksums: bool = True, skip_checksum: Iterable[str] = ()) -> list[str]:
+def file_problems(step_dir: Path,
+                  manifest: Mapping[str, Any] | None = None,
+                  *,
+                  checksums: bool = True,
+                  skip_checksum: Iterable[str] = ()) -> list[str]:
   """Problems found comparing the files under `step_dir` with its manifest ([] when intact).
 
   Files in `skip_checksum` get their size checked only (their reader checks the CRC itself).
@@ -173,23 +180,30 @@ def check_seal(raw: bytes, m: Mapping[str, Any]) -> str | None:
   return None
 
 
-def check(step_dir: Path, manifest: Mapping[str, Any] | None = None, *, checksums: bool = True,
-          skip_checksum: Iterable[str] = ()) -> tuple[dict[str, Any] | None, list[str]]:
+def audit(
+    step_dir: Path,
+    manifest: Mapping[str, Any] | None = None,
+    *,
+    checksums: bool = True,
+    skip_checksum: Iterable[str] = ()
+) -> tuple[dict[str, Any] | None, list[str]]:
   """(manifest or None, problems) of a checkpoint: its manifest readable and matching its seal,
-  and every file matching the manifest (`verify`). Never raises for damage: it reports it.
+  and every file matching the manifest (`file_problems`). Never raises for damage: it reports it.
   `manifest` is the caller's own `read` of it, when it has one."""
   try:
     raw = (step_dir / layout.MANIFEST).read_bytes()
   except OSError as e:
-    return None, [f'{layout.MANIFEST}: missing or unreadable ({e.strerror or e}): not a '
-                  'committed checkpoint']
+    return None, [
+        f'{layout.MANIFEST}: missing or unreadable ({e.strerror or e}): not a '
+        'committed checkpoint'
+    ]
   try:
     m = parse(step_dir, raw) if manifest is None else dict(manifest)
   except CheckpointError as e:
     return None, [e.what]
   problems = [p for p in (check_seal(raw, m),) if p]
   try:
-    problems += verify(step_dir, m, checksums=checksums, skip_checksum=skip_checksum)
+    problems += file_problems(step_dir, m, checksums=checksums, skip_checksum=skip_checksum)
   except CheckpointError as e:
     problems.append(e.what)
   except (KeyError, TypeError, AttributeError) as e:

@@ -32,9 +32,9 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from jaxckpt.checkpoint import layout, manifest
-from jaxckpt.checkpoint.checksum import crc32
-from jaxckpt.errors import CheckpointError
+from . import atomic, manifest
+from .checksum import crc32
+from .errors import CheckpointError
 
 DATA = 'arrays.bin'
 INDEX = 'index.json'
@@ -125,9 +125,10 @@ def _drop_direct(fd: int) -> None:
   flags = fcntl.fcntl(fd, fcntl.F_GETFL)
   if direct and flags & direct:
     fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~direct)
-    _say_once('buffered I/O + fsync (the filesystem accepts O_DIRECT but fails its transfers)',
-              Path(os.readlink(f'/proc/self/fd/{fd}')) if os.path.exists('/proc/self/fd')
-              else Path(f'fd {fd}'))
+    _say_once(
+        'buffered I/O + fsync (the filesystem accepts O_DIRECT but fails its transfers)',
+        Path(os.readlink(f'/proc/self/fd/{fd}'))
+        if os.path.exists('/proc/self/fd') else Path(f'fd {fd}'))
 
 
 def _transfer(fn, fd: int, view: memoryview, offset: int) -> int:
@@ -146,8 +147,9 @@ def write(directory: Path, arrays: Mapping[str, np.ndarray]) -> dict[str, dict[s
   directory.mkdir(parents=True, exist_ok=True)
   index, offset = {}, 0
   for name, x in arrays.items():
-    index[name] = {'offset': offset, 'nbytes': int(x.nbytes), 'shape': list(x.shape),
-                   'dtype': str(x.dtype)}
+    index[name] = {
+        'offset': offset, 'nbytes': int(x.nbytes), 'shape': list(x.shape), 'dtype': str(x.dtype)
+    }
     offset += padded(x.nbytes)
   fd, direct = _open_direct(directory / DATA, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
   crc = 0
@@ -174,7 +176,7 @@ def write(directory: Path, arrays: Mapping[str, np.ndarray]) -> dict[str, dict[s
     os.fsync(fd)
   finally:
     os.close(fd)
-  layout.write_json_durably(directory / INDEX, {'format': FORMAT, 'arrays': index})
+  atomic.write_json_durably(directory / INDEX, {'format': FORMAT, 'arrays': index})
   return {DATA: {'size': offset, 'crc32': f'{crc:08x}'}}
 
 
@@ -196,16 +198,20 @@ def _pwrite_all(fd: int, data, offset: int) -> None:
 
 
 def read_index(directory: Path) -> dict[str, dict[str, Any]]:
-  index = layout.read_json(directory / INDEX)
+  index = atomic.read_json(directory / INDEX)
   if not isinstance(index, dict) or index.get('format') != FORMAT:
     raise CheckpointError('E-CKPT-004', f'{directory / INDEX} is not a jaxckpt raw index',
-                          'the checkpoint is corrupt; run `jaxckpt verify` on it')
+                          'the checkpoint is corrupt; verify the checkpoint')
   return index['arrays']
 
 
-def read(directory: Path, names=None, *, expect_crc32: str | None = None, direct: bool = True,
-         place: Callable[[dict[str, np.ndarray]], Mapping[str, Any]] | None = None
-         ) -> dict[str, Any]:
+def read(
+    directory: Path,
+    names=None,
+    *,
+    expect_crc32: str | None = None,
+    direct: bool = True,
+    place: Callable[[dict[str, np.ndarray]], Mapping[str, Any]] | None = None) -> dict[str, Any]:
   """The arrays (all, or `names`) as host numpy arrays, or as whatever `place` makes of them.
 
   Each array of 2 MiB or more gets its own buffer; runs of smaller arrays that lie next to each
@@ -266,8 +272,9 @@ def _check_file(directory: Path, expect_crc32: str) -> None:
 
 def _check_crc(directory: Path, got: str, expect_crc32: str) -> None:
   if got != expect_crc32:
-    raise CheckpointError('E-CKPT-003', f'{directory / DATA}: checksum mismatch (crc32 {got}, '
-                          f'manifest says {expect_crc32})', 'resume from an earlier checkpoint')
+    raise CheckpointError(
+        'E-CKPT-003', f'{directory / DATA}: checksum mismatch (crc32 {got}, '
+        f'manifest says {expect_crc32})', 'resume from an earlier checkpoint')
 
 
 def _check_arrays(directory: Path, index, arrays: Mapping[str, np.ndarray]) -> None:
@@ -275,13 +282,12 @@ def _check_arrays(directory: Path, index, arrays: Mapping[str, np.ndarray]) -> N
   for name, x in arrays.items():
     got = f'{crc32(x.reshape(-1).view(np.uint8)):08x}'
     if got != index[name]['crc32']:
-      raise CheckpointError('E-CKPT-003', f'{directory / DATA}: {name}: checksum mismatch '
-                            f'(crc32 {got}, index says {index[name]["crc32"]})',
-                            'resume from an earlier checkpoint')
+      raise CheckpointError(
+          'E-CKPT-003', f'{directory / DATA}: {name}: checksum mismatch '
+          f'(crc32 {got}, index says {index[name]["crc32"]})', 'resume from an earlier checkpoint')
 
 
-def _runs(index: Mapping[str, Mapping[str, Any]], wanted: list[str]
-          ) -> list[tuple[int, list[str]]]:
+def _runs(index: Mapping[str, Mapping[str, Any]], wanted: list[str]) -> list[tuple[int, list[str]]]:
   """(file offset, names): `wanted` (in file order) grouped into the buffers `read` fills."""
   runs: list[tuple[int, list[str]]] = []
   end, joinable = -1, False

@@ -18,8 +18,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from jaxckpt.checkpoint import rawstore
-from jaxckpt.errors import CheckpointError
+from . import rawstore
+from .errors import CheckpointError
 
 # Waking the helper costs ~1-3 ms on this VM (an idle vCPU), while splitting saves a quarter of a
 # copy at ~12 GB/s: below ~100 MB it does not pay (andrea_12m, 154 MB, only breaks even).
@@ -46,8 +46,8 @@ class HostStager:
     if sum(sizes.values()) < _SPLIT_MIN_BYTES:
       self._copy(leaves, [(name, 0, None) for name in leaves])
     else:
-      first, second = _halves(sizes, {name: np.dtype(x.dtype).itemsize
-                                      for name, x in leaves.items()})
+      first, second = _halves(sizes,
+                              {name: np.dtype(x.dtype).itemsize for name, x in leaves.items()})
       if first and second and first[-1][0] == second[0][0]:  # one leaf shared by both threads
         self._buffer(first[-1][0], np.asarray(leaves[first[-1][0]]))
       if self._helper is None:
@@ -108,3 +108,47 @@ def _halves(sizes: Mapping[str, int], itemsizes: Mapping[str, int]) -> tuple[Pie
       second.append((name, cut, None))
     at += size
   return first, second
+
+
+def available_host_memory(meminfo: str = '/proc/meminfo') -> int | None:
+  """Bytes the kernel can hand out without swapping (`MemAvailable`: free memory plus the page
+  cache it can reclaim); None where that is not known.
+
+  Free pages alone (`SC_AVPHYS_PAGES`) shrink as the page cache fills with checkpoint data the
+  kernel would drop at once, and would push `auto` to sync for no reason.
+  """
+  try:
+    with open(meminfo) as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return None
+
+
+def choose_mode(mode: str, needed: int, available: int | None) -> str:
+  """The mode of one save: `auto` is async when the staged copy's `needed` new bytes fit twice
+  into `available` host memory (the copy, and headroom for the training step that runs beside
+  the write), else sync; unknown memory counts as room."""
+  if mode != 'auto':
+    return mode
+  return 'async' if available is None or available > 2 * needed else 'sync'
+
+
+class Unstaged(Mapping[str, np.ndarray]):
+  """Leaves read as host arrays one at a time, when a save writes inline without a staged copy
+  (`auto` short of memory): on CPU `np.asarray` shares the device buffer, on an accelerator each
+  leaf is fetched when the writer reaches it."""
+
+  def __init__(self, leaves: Mapping[str, Any]):
+    self._leaves = leaves
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    return np.asarray(self._leaves[name])
+
+  def __iter__(self):
+    return iter(self._leaves)
+
+  def __len__(self) -> int:
+    return len(self._leaves)

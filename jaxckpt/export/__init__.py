@@ -23,9 +23,12 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-# One write-fsync-rename primitive for checkpoints and exports alike.
-from jaxckpt.checkpoint.layout import (TMP_MARK, atomic_file, exchange, fsync_dir,
-                                      temporary_sibling)
+# One set of durable-write primitives for checkpoints and exports alike (re-exported here).
+from jaxckpt.checkpoint.atomic import (TMP_MARK, atomic_file, fsync_dir, publish_dir,
+                                       temporary_sibling)
+
+__all__ = ['TMP_MARK', 'atomic_dir', 'atomic_file', 'temporary_sibling']
+
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
@@ -43,22 +46,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
   try:
     yield tmp
     fsync_dir(tmp)
-    _publish_dir(tmp, path)
+    publish_dir(tmp, path)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   fsync_dir(path.parent)
-
-
-def _publish_dir(tmp: Path, path: Path) -> None:
-  if not path.exists():
-    os.rename(tmp, path)
-    return
-  if exchange(tmp, path):  # tmp now holds the old export
-    shutil.rmtree(tmp, ignore_errors=True)
-    return
-  old = temporary_sibling(path)
-  os.rename(path, old)
-  os.rename(tmp, path)
-  shutil.rmtree(old, ignore_errors=True)
-

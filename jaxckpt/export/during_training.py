@@ -37,13 +37,12 @@ from typing import Any, Mapping
 import numpy as np
 from absl import logging
 
-from jaxckpt import model as model_lib
-from jaxckpt.checkpoint import layout
-from jaxckpt.checkpoint.manager import CommitInfo
+from jaxckpt import model as model_lib, names
+from jaxckpt.checkpoint import atomic, layout
+from jaxckpt.checkpoint import CommitInfo
 from jaxckpt.errors import CheckpointError, ConfigError
 from jaxckpt.export import TMP_MARK, atomic_dir, flatbin, hf, safetensors_io, temporary_sibling
-from jaxckpt.export.offline import (FORMATS, MODEL_FILE, OPTIMIZER_FILE, export_path,
-                                    param_of_leaf)
+from jaxckpt.export.offline import FORMATS, MODEL_FILE, OPTIMIZER_FILE, export_path
 
 _BIN_RE = re.compile(r'^step_(\d{6,})\.bin$')
 
@@ -51,10 +50,10 @@ _BIN_RE = re.compile(r'^step_(\d{6,})\.bin$')
 @dataclasses.dataclass(frozen=True)
 class ExportOptions:
   """When and what to export during training (see `configs/default.py`, `config.export`)."""
-  every: int = 1000                                # steps; 0 turns exports off
+  every: int = 1000  # steps; 0 turns exports off
   formats: tuple[str, ...] = ('safetensors', 'hf')  # any of safetensors, hf, bin
-  keep: int = 2                                    # newest exported steps kept (0: all)
-  optimizer: bool = False                          # optimizer.safetensors beside model.safetensors
+  keep: int = 2  # newest exported steps kept (0: all)
+  optimizer: bool = False  # optimizer.safetensors beside model.safetensors
 
 
 def parse_formats(formats: str | tuple[str, ...]) -> tuple[str, ...]:
@@ -63,9 +62,10 @@ def parse_formats(formats: str | tuple[str, ...]) -> tuple[str, ...]:
   names = [n.strip() for n in names if n.strip()]
   unknown = sorted(set(names) - set(FORMATS))
   if unknown:
-    raise ConfigError('E-CONFIG-005', f'export.formats={",".join(names)!r}: unknown format(s) '
-                      f'{", ".join(unknown)}', f'use a comma list of {", ".join(FORMATS)} '
-                      '(--export_formats=safetensors,hf)')
+    raise ConfigError(
+        'E-CONFIG-005', f'export.formats={",".join(names)!r}: unknown format(s) '
+        f'{", ".join(unknown)}', f'use a comma list of {", ".join(FORMATS)} '
+        '(--export_formats=safetensors,hf)')
   return tuple(f for f in FORMATS if f in names)
 
 
@@ -78,9 +78,10 @@ def options_from_config(config) -> ExportOptions:
                         f'use 0 to turn it off (--export_{field}=0)')
   formats = parse_formats(e.formats)
   if e.every and not formats:
-    raise ConfigError('E-CONFIG-005', 'export.every is set but export.formats is empty',
-                      'name formats with --export_formats=safetensors,hf,bin, or set '
-                      '--export_every=0')
+    raise ConfigError(
+        'E-CONFIG-005', 'export.every is set but export.formats is empty',
+        'name formats with --export_formats=safetensors,hf,bin, or set '
+        '--export_every=0')
   return ExportOptions(every=e.every, formats=formats, keep=e.keep, optimizer=bool(e.optimizer))
 
 
@@ -101,15 +102,15 @@ def export_due(step: int, previous_step: int | None, every: int, last_step: int)
   return step // every > previous_step // every
 
 
-def split_staged(staged: Mapping[str, np.ndarray], model_cfg
-                 ) -> tuple[dict[str, np.ndarray], dict | None, dict | None]:
+def split_staged(staged: Mapping[str, np.ndarray],
+                 model_cfg) -> tuple[dict[str, np.ndarray], dict | None, dict | None]:
   """(params, m, v) as {dotted name: array} in canonical order from checkpoint leaf names.
 
   m and v are None when the state holds no Adam moments.
   """
   found: dict[str, dict[str, np.ndarray]] = {'params': {}, 'm': {}, 'v': {}}
   for leaf, x in staged.items():
-    which = param_of_leaf(leaf)
+    which = names.param_of_leaf(leaf)
     if which is not None:
       found[which[0]][which[1]] = x
   order = model_lib.parameter_names(model_cfg)
@@ -120,14 +121,21 @@ def split_staged(staged: Mapping[str, np.ndarray], model_cfg
   return params, *({n: found[k][n] for n in order} for k in ('m', 'v'))
 
 
-def write_exports(directory: Path, step: int, formats: tuple[str, ...], params, m, v, model_cfg,
-                  *, optimizer: bool = False) -> list[Path]:
+def write_exports(directory: Path,
+                  step: int,
+                  formats: tuple[str, ...],
+                  params,
+                  m,
+                  v,
+                  model_cfg,
+                  *,
+                  optimizer: bool = False) -> list[Path]:
   """Write `step`'s exports under `directory`, each published atomically; returns their paths.
 
   Raises:
     CheckpointError (E-EXPORT-006): a format could not be written; nothing of it was published.
   """
-  cfg = hf.as_model_config(model_cfg)
+  cfg = model_lib.as_model_config(model_cfg)
   meta = {'step': step, 'jaxckpt.model': json.dumps(cfg.to_dict(), sort_keys=True)}
   written, fmt, target = [], formats[0] if formats else '', directory
   try:
@@ -192,7 +200,7 @@ def apply_retention(directory: Path, keep: int, newest: int) -> list[int]:
       os.rename(path, gone)
       _remove(gone)
   if doomed:
-    layout.fsync_dir(directory)
+    atomic.fsync_dir(directory)
   return doomed
 
 
@@ -200,13 +208,16 @@ def remove_debris(directory: Path) -> list[Path]:
   """Remove `*.tmp-*` left by an export or deletion a crash cut short; returns what went."""
   if not directory.is_dir():
     return []
-  parents = [directory] + [directory / n for n in _listdir(directory)
-                           if layout.parse_step(n) is not None and (directory / n).is_dir()]
+  parents = [directory] + [
+      directory / n
+      for n in _listdir(directory)
+      if layout.parse_step(n) is not None and (directory / n).is_dir()
+  ]
   removed = [parent / n for parent in parents for n in _listdir(parent) if TMP_MARK in n]
   for path in removed:
     _remove(path)
   if removed:
-    layout.fsync_dir(directory)
+    atomic.fsync_dir(directory)
   return removed
 
 
@@ -275,16 +286,24 @@ class Exporter:
     t0 = time.perf_counter()
     try:
       params, m, v = split_staged(staged, self.model_cfg)
-      paths = write_exports(self.directory, step, self.options.formats, params, m, v,
-                            self.model_cfg, optimizer=self.options.optimizer)
+      paths = write_exports(
+          self.directory,
+          step,
+          self.options.formats,
+          params,
+          m,
+          v,
+          self.model_cfg,
+          optimizer=self.options.optimizer)
     except Exception as e:
       self._event('export_failed', step=step, error=str(e))
       raise
     deleted = apply_retention(self.directory, self.options.keep, step)
-    fields = {'step': step, 'formats': list(self.options.formats),
-              'seconds': round(time.perf_counter() - t0, 6),
-              'bytes': sum(_size(p) for p in paths), 'paths': [str(p) for p in paths],
-              'deleted': deleted}
+    fields = {
+        'step': step, 'formats': list(self.options.formats),
+        'seconds': round(time.perf_counter() - t0, 6), 'bytes': sum(_size(p) for p in paths),
+        'paths': [str(p) for p in paths], 'deleted': deleted
+    }
     self._event('export', **fields)
     logging.info('exported step %d (%s, %s bytes) in %.2fs', step, ','.join(fields['formats']),
                  f'{fields["bytes"]:,}', fields['seconds'])

@@ -15,7 +15,7 @@ whose size is not 8 + 12n for them is refused (`E-BIN-001`). Writing streams the
 each tensor's bytes; it never builds the 12n-byte image in memory.
 
     write_bin(f'exports/{bin_name(300)}', 300, params, m, v)
-    step, params, m, v = read_bin('exports/step_000300.bin', hf.param_shapes(config.model))
+    step, params, m, v = read_bin('exports/step_000300.bin', model_lib.param_shapes(config.model))
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ def write_bin(path: str | os.PathLike, step: int, params: Mapping[str, np.ndarra
                      f'{sorted((set(m) | set(v)) ^ set(params))[:5]}')
   n = sum(math.prod(np.shape(x)) for x in params.values())
   if n > INT32_MAX or not 0 <= step <= INT32_MAX:
-    raise CheckpointError('E-BIN-002', f'the .bin header is int32 and cannot hold step={step}, '
-                          f'n_params={n:,} (max {INT32_MAX:,})',
-                          'export this model as safetensors instead')
+    raise CheckpointError(
+        'E-BIN-002', f'the .bin header is int32 and cannot hold step={step}, '
+        f'n_params={n:,} (max {INT32_MAX:,})', 'export this model as safetensors instead')
   with atomic_file(path) as tmp, open(tmp, 'wb') as f:
     f.write(HEADER.pack(step, n))
     for section in (params, m, v):
@@ -93,17 +93,18 @@ def _f32_bytes(x, shape, name) -> np.ndarray:
   """One tensor as contiguous little-endian f32 bytes (a copy only when it is not already)."""
   x = np.asarray(x)
   if x.shape != tuple(shape):
-    raise ValueError(f'{name}: shape {x.shape} differs from the parameter\'s {tuple(shape)}')
+    raise ValueError(f"{name}: shape {x.shape} differs from the parameter's {tuple(shape)}")
   return np.ascontiguousarray(x, dtype=_F32).reshape(-1).view(np.uint8)
 
 
-def read_bin(path: str | os.PathLike, shapes: Mapping[str, tuple[int, ...]]
-             ) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+def read_bin(
+    path: str | os.PathLike, shapes: Mapping[str, tuple[int, ...]]
+) -> tuple[int, dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
   """(step, params, m, v) from a `.bin`; each a {name: f32 array} in the order of `shapes`.
 
   Args:
     path: the `.bin` file.
-    shapes: {dotted name: shape} in canonical order (`hf.param_shapes(config.model)`).
+    shapes: {dotted name: shape} in canonical order (`model_lib.param_shapes(config.model)`).
 
   Raises:
     ResumeError (E-BIN-001): the file's size or header does not fit these shapes.
@@ -117,20 +118,20 @@ def read_bin(path: str | os.PathLike, shapes: Mapping[str, tuple[int, ...]]
     raise ResumeError('E-BIN-003', f'cannot read {path}: {e.strerror or e}',
                       'check the path of the .bin file') from e
   if size != expected_size(n):
-    raise ResumeError('E-BIN-001', f'{path} is {size:,} bytes but this model ({n:,} parameters) '
-                      f'needs 8 + 12*{n:,} = {expected_size(n):,} bytes',
-                      'read it with the model config that wrote it')
+    raise ResumeError(
+        'E-BIN-001', f'{path} is {size:,} bytes but this model ({n:,} parameters) '
+        f'needs 8 + 12*{n:,} = {expected_size(n):,} bytes',
+        'read it with the model config that wrote it')
   with open(path, 'rb') as f:
     step, header_n = HEADER.unpack(f.read(HEADER.size))
     if header_n != n:
-      raise ResumeError('E-BIN-001', f'{path} header says n_params={header_n:,} but this model '
-                        f'has {n:,} (expected size {expected_size(n):,} bytes, actual {size:,})',
-                        'read it with the model config that wrote it')
-    flat = [np.fromfile(f, dtype=_F32, count=n).astype(np.float32, copy=False)
-            for _ in SECTIONS]
+      raise ResumeError(
+          'E-BIN-001', f'{path} header says n_params={header_n:,} but this model '
+          f'has {n:,} (expected size {expected_size(n):,} bytes, actual {size:,})',
+          'read it with the model config that wrote it')
+    flat = [np.fromfile(f, dtype=_F32, count=n).astype(np.float32, copy=False) for _ in SECTIONS]
   return (step, *(_split(section, shapes) for section in flat))
 
 
 def _split(flat: np.ndarray, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-  return {name: flat[off:off + count].reshape(shapes[name])
-          for name, off, count in offsets(shapes)}
+  return {name: flat[off:off + count].reshape(shapes[name]) for name, off, count in offsets(shapes)}

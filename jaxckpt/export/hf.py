@@ -17,7 +17,6 @@ import json
 import os
 from typing import Any, Mapping
 
-import ml_collections
 import numpy as np
 
 from jaxckpt import model as model_lib
@@ -31,16 +30,9 @@ WEIGHTS_FILE = 'model.safetensors'
 _LEAF = {'embedding': 'weight', 'kernel': 'weight', 'scale': 'weight', 'bias': 'bias'}
 
 
-def as_model_config(model_cfg: Any) -> ml_collections.ConfigDict:
-  """`config.model` as a ConfigDict, whether given one or a plain dict (from a manifest)."""
-  if isinstance(model_cfg, ml_collections.ConfigDict):
-    return model_cfg
-  return ml_collections.ConfigDict(dict(model_cfg))
-
-
 def gpt2_config(model_cfg) -> dict[str, Any]:
   """The `config.json` of a `GPT2LMHeadModel` with the architecture of `model_cfg`."""
-  c = as_model_config(model_cfg)
+  c = model_lib.as_model_config(model_cfg)
   # The byte tokenizer has no special tokens; the last id (0xFF for bytes, which never occurs
   # in UTF-8 text) is a valid id that never ends a generate() early on real text.
   special = c.vocab_size - 1
@@ -89,49 +81,35 @@ def hf_state_dict(params: Mapping[str, np.ndarray], model_cfg) -> dict[str, np.n
   Raises:
     UsageError (E-EXPORT-002): `params` are not exactly this config's parameters and shapes.
   """
-  c = as_model_config(model_cfg)
+  c = model_lib.as_model_config(model_cfg)
   check_params(params, c)
-  return {hf_name(n): np.asarray(params[n], dtype=np.float32)
-          for n in model_lib.parameter_names(c)}
+  return {hf_name(n): np.asarray(params[n], dtype=np.float32) for n in model_lib.parameter_names(c)}
 
 
 def check_params(params: Mapping[str, Any], model_cfg) -> None:
   """Refuse parameters that are not exactly `model_cfg`'s, before anything is written."""
-  c = as_model_config(model_cfg)
+  c = model_lib.as_model_config(model_cfg)
   want = model_lib.parameter_names(c)
   if sorted(params) != sorted(want):
     diff = sorted(set(params) ^ set(want))
-    raise UsageError('E-EXPORT-002', f'parameters do not match the model config '
-                     f'(n_layer={c.n_layer}, tie_embeddings={c.tie_embeddings}): differ in '
-                     f'{diff[:4]}', 'export with the model config the parameters were trained '
-                     'with')
-  shapes = param_shapes(c)
+    raise UsageError(
+        'E-EXPORT-002', f'parameters do not match the model config '
+        f'(n_layer={c.n_layer}, tie_embeddings={c.tie_embeddings}): differ in '
+        f'{diff[:4]}', 'export with the model config the parameters were trained '
+        'with')
+  shapes = model_lib.param_shapes(c)
   for name in want:
     if tuple(np.shape(params[name])) != shapes[name]:
-      raise UsageError('E-EXPORT-002', f'{name} has shape {tuple(np.shape(params[name]))}, the '
-                       f'model config wants {shapes[name]}', 'export with the model config the '
-                       'parameters were trained with')
+      raise UsageError(
+          'E-EXPORT-002', f'{name} has shape {tuple(np.shape(params[name]))}, the '
+          f'model config wants {shapes[name]}', 'export with the model config the '
+          'parameters were trained with')
 
 
-def param_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
-  """{dotted name: shape} in canonical order, from the config alone (no model is built)."""
-  c = as_model_config(model_cfg)
-  C, V, T = c.n_embd, c.vocab_size, c.block_size
-  per_layer = {'ln_1.scale': (C,), 'ln_1.bias': (C,), 'attn.c_attn.kernel': (C, 3 * C),
-               'attn.c_attn.bias': (3 * C,), 'attn.c_proj.kernel': (C, C),
-               'attn.c_proj.bias': (C,), 'ln_2.scale': (C,), 'ln_2.bias': (C,),
-               'mlp.c_fc.kernel': (C, 4 * C), 'mlp.c_fc.bias': (4 * C,),
-               'mlp.c_proj.kernel': (4 * C, C), 'mlp.c_proj.bias': (C,)}
-  fixed = {'wte.embedding': (V, C), 'wpe.embedding': (T, C), 'ln_f.scale': (C,),
-           'ln_f.bias': (C,), 'lm_head.kernel': (V, C)}
-  shapes = {}
-  for name in model_lib.parameter_names(c):
-    parts = name.split('.')
-    shapes[name] = per_layer['.'.join(parts[2:])] if parts[0] == 'h' else fixed[name]
-  return shapes
-
-
-def write_hf_dir(out_dir: str | os.PathLike, params: Mapping[str, np.ndarray], model_cfg, *,
+def write_hf_dir(out_dir: str | os.PathLike,
+                 params: Mapping[str, np.ndarray],
+                 model_cfg,
+                 *,
                  metadata: Mapping[str, object] | None = None) -> None:
   """Write a `from_pretrained`-loadable GPT-2 directory at `out_dir`, atomically.
 

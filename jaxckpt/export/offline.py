@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxckpt import identity
+from jaxckpt import identity, names
 from jaxckpt import model as model_lib
 from jaxckpt.checkpoint import layout, manifest
 from jaxckpt.checkpoint.manager import RAW_DATA, read_host_arrays
@@ -32,9 +32,6 @@ from jaxckpt.export import flatbin, hf, safetensors_io
 FORMATS = ('safetensors', 'hf', 'bin')
 MODEL_FILE = 'model.safetensors'
 OPTIMIZER_FILE = 'optimizer.safetensors'
-
-# Where optax's Adam keeps its moments inside `opt_state`, and what exports call them.
-_ADAM = {'mu': 'm', 'nu': 'v'}
 
 
 def export_path(exports_dir: str | os.PathLike, step: int, fmt: str) -> Path:
@@ -51,28 +48,6 @@ def export_path(exports_dir: str | os.PathLike, step: int, fmt: str) -> Path:
   return step_dir / 'hf' if fmt == 'hf' else step_dir
 
 
-def param_of_leaf(leaf: str) -> tuple[str, str] | None:
-  """Which parameter tensor a checkpoint leaf is: (kind, dotted name), or None.
-
-  kind is 'params', 'm' (Adam mu) or 'v' (Adam nu):
-    'params/h/0/attn/c_attn/kernel'        -> ('params', 'h.0.attn.c_attn.kernel')
-    'opt_state/1/0/mu/h/0/attn/c_attn/bias' -> ('m', 'h.0.attn.c_attn.bias')
-    'opt_state/1/0/nu/wte/embedding'        -> ('v', 'wte.embedding')
-    'opt_state/1/0/count'                  -> None (a counter, not a tensor of the model)
-  The position of Adam's state inside the optax chain (`1/0` here) is not assumed: the moments
-  are found by their `mu`/`nu` component. The inverse is
-  `'params/' + dotted.replace('.', '/')` for weights.
-  """
-  parts = leaf.split('/')
-  if parts[0] == 'params':
-    return 'params', '.'.join(parts[1:])
-  if parts[0] == 'opt_state':
-    for i, part in enumerate(parts):
-      if part in _ADAM:
-        return _ADAM[part], '.'.join(parts[i + 1:])
-  return None
-
-
 def read_checkpoint(step_dir: str | os.PathLike, model_cfg=None) -> dict[str, Any]:
   """{step, model_cfg, params, m, v} of a committed checkpoint, as host numpy arrays.
 
@@ -86,17 +61,19 @@ def read_checkpoint(step_dir: str | os.PathLike, model_cfg=None) -> dict[str, An
   """
   step_dir = Path(step_dir)
   meta = _read_manifest(step_dir)
-  cfg = hf.as_model_config(model_cfg if model_cfg is not None else _model_config(step_dir, meta))
+  cfg = model_lib.as_model_config(
+      model_cfg if model_cfg is not None else _model_config(step_dir, meta))
   found: dict[str, dict[str, np.ndarray]] = {'params': {}, 'm': {}, 'v': {}}
   for leaf, array in _read_arrays(step_dir, meta).items():
-    which = param_of_leaf(leaf)
+    which = names.param_of_leaf(leaf)
     if which is None:
       continue
     kind, name = which
     if name in found[kind]:
-      raise UsageError('E-EXPORT-005', f'{step_dir}: more than one optimizer state holds '
-                       f'{kind} of {name} ({leaf})', 'this exporter understands one optax Adam '
-                       'state; export the weights only (--format=hf)')
+      raise UsageError(
+          'E-EXPORT-005', f'{step_dir}: more than one optimizer state holds '
+          f'{kind} of {name} ({leaf})', 'this exporter understands one optax Adam '
+          'state; export the weights only (--format=hf)')
     found[kind][name] = array
   # Frozen parameters from an init_from file are not in the checkpoint: read them from the
   # pinned file, and give them the zero moments Adam starts from (they have none).
@@ -108,18 +85,18 @@ def read_checkpoint(step_dir: str | os.PathLike, model_cfg=None) -> dict[str, An
   for kind in ('params', 'm', 'v') if adam else ('params',):
     hf.check_params(found[kind], cfg)
   order = model_lib.parameter_names(cfg)
-  ordered = {k: {n: found[k][n] for n in order} if k == 'params' or adam else None
-             for k in found}
+  ordered = {k: {n: found[k][n] for n in order} if k == 'params' or adam else None for k in found}
   return {'step': int(meta['step']), 'model_cfg': cfg, **ordered}
 
 
 def _read_manifest(step_dir: Path) -> dict[str, Any]:
   if layout.parse_step(step_dir.name) is None or not (step_dir / layout.MANIFEST).is_file():
-    raise UsageError('E-EXPORT-003', f'{step_dir} is not a committed checkpoint (a step_<n> '
-                     'directory with a manifest.json)', 'pass a checkpoints/step_<n> directory')
+    raise UsageError(
+        'E-EXPORT-003', f'{step_dir} is not a committed checkpoint (a step_<n> '
+        'directory with a manifest.json)', 'pass a checkpoints/step_<n> directory')
   meta = manifest.read(step_dir)
   # The raw store's data is checked against its checksum while `_read_arrays` reads it.
-  problems = manifest.verify(step_dir, meta, checksums=True, skip_checksum=[RAW_DATA])
+  problems = manifest.file_problems(step_dir, meta, checksums=True, skip_checksum=[RAW_DATA])
   if problems:
     raise _damaged(step_dir, problems[0])
   return meta
@@ -148,8 +125,12 @@ def _read_arrays(step_dir: Path, meta: Mapping[str, Any]) -> dict[str, np.ndarra
     raise _damaged(step_dir, e.what) from e
 
 
-def export_checkpoint(step_dir: str | os.PathLike, fmt: str, out: str | os.PathLike, *,
-                      model_cfg=None, optimizer: bool = True) -> Path:
+def export_checkpoint(step_dir: str | os.PathLike,
+                      fmt: str,
+                      out: str | os.PathLike,
+                      *,
+                      model_cfg=None,
+                      optimizer: bool = True) -> Path:
   """Export a committed checkpoint as `fmt` at `out`; returns `out`.
 
   Args:
@@ -163,11 +144,23 @@ def export_checkpoint(step_dir: str | os.PathLike, fmt: str, out: str | os.PathL
   _check_format(fmt, FORMATS)
   ckpt = read_checkpoint(step_dir, model_cfg)
   source = {'source': str(Path(step_dir).resolve())}
-  return _write(fmt, Path(out), ckpt['step'], ckpt['model_cfg'], ckpt['params'], ckpt['m'],
-                ckpt['v'], optimizer=optimizer, metadata=source)
+  return _write(
+      fmt,
+      Path(out),
+      ckpt['step'],
+      ckpt['model_cfg'],
+      ckpt['params'],
+      ckpt['m'],
+      ckpt['v'],
+      optimizer=optimizer,
+      metadata=source)
 
 
-def export_bin(bin_path: str | os.PathLike, fmt: str, out: str | os.PathLike, model_cfg, *,
+def export_bin(bin_path: str | os.PathLike,
+               fmt: str,
+               out: str | os.PathLike,
+               model_cfg,
+               *,
                optimizer: bool = True) -> Path:
   """Export a `.bin` (weights, m, v) as 'safetensors' or 'hf' at `out`; returns `out`.
 
@@ -175,8 +168,8 @@ def export_bin(bin_path: str | os.PathLike, fmt: str, out: str | os.PathLike, mo
     ResumeError (E-BIN-001): the file's size is not 8 + 12n for `model_cfg`.
   """
   _check_format(fmt, ('safetensors', 'hf'))
-  cfg = hf.as_model_config(model_cfg)
-  step, params, m, v = flatbin.read_bin(bin_path, hf.param_shapes(cfg))
+  cfg = model_lib.as_model_config(model_cfg)
+  step, params, m, v = flatbin.read_bin(bin_path, model_lib.param_shapes(cfg))
   source = {'source': str(Path(bin_path).resolve())}
   return _write(fmt, Path(out), step, cfg, params, m, v, optimizer=optimizer, metadata=source)
 
@@ -205,66 +198,3 @@ def _check_format(fmt: str, allowed: tuple[str, ...]) -> None:
   if fmt not in allowed:
     raise UsageError('E-EXPORT-001', f'unknown export format {fmt!r}',
                      f'use one of {", ".join(allowed)}')
-
-
-# ------------------------------------------------------------------------------ command line
-def _parser():
-  from jaxckpt.inspection import ArgumentParser  # one-line usage errors, exit 2
-  parser = ArgumentParser(
-      prog='jaxckpt export', description='Export a committed checkpoint, or a .bin, for other '
-      'tools: flat safetensors, a Hugging Face GPT-2 directory, or the raw ANDREA .bin.')
-  parser.add_argument('source', help='a committed checkpoints/step_<n> directory, or a '
-                      'step_NNNNNN.bin (then --config is needed)')
-  parser.add_argument('--format', required=True, metavar='|'.join(FORMATS),
-                      help='safetensors: OUT/model.safetensors (+ optimizer.safetensors); hf: a '
-                      'GPT2LMHeadModel directory; bin: the raw ANDREA file (checkpoints only)')
-  parser.add_argument('--out', required=True, help='the directory (safetensors, hf) or file '
-                      '(bin) to write; replaced atomically if it exists')
-  parser.add_argument('--config', help='configs/<name>.py: the model config (required for a '
-                      '.bin, which holds none; overrides the manifest\'s for a checkpoint)')
-  parser.add_argument('--no-optimizer', dest='optimizer', action='store_false',
-                      help='safetensors: leave out optimizer.safetensors (Adam m and v)')
-  return parser
-
-
-def _model_config_from_file(path: str):
-  """`config.model` of a configs/*.py file, loaded as `python -m jaxckpt.main --config` does."""
-  import sys
-  from jaxckpt import identity
-  file = Path(path.split(':', 1)[0])
-  if not file.is_file():
-    raise UsageError('E-USAGE-001', f'--config={path}: no such file', 'pass a configs/<name>.py')
-  # Config files import their siblings as `configs.default`: make their package's parent
-  # importable even when `jaxckpt` runs as a console script from elsewhere.
-  root = str(file.resolve().parent.parent)
-  if root not in sys.path:
-    sys.path.append(root)
-  try:
-    return identity.load_config_file(path).model
-  except Exception as e:
-    raise UsageError('E-USAGE-001', f'--config={path} could not be loaded: '
-                     f'{type(e).__name__}: {e}', 'pass a configs/<name>.py file') from e
-
-
-def main(argv: list[str]) -> int:
-  """`jaxckpt export SOURCE --format=safetensors|hf|bin --out=PATH [--config=FILE]`.
-
-    jaxckpt export runs/tiny/checkpoints/step_00000300 --format=hf --out=out/tiny_hf
-    jaxckpt export runs/tiny/exports/step_000300.bin --format=hf --config=configs/tiny.py \\
-        --out=out/tiny_hf
-
-  `argv` excludes the subcommand. Usage errors raise `UsageError` (one line, exit 2).
-  """
-  args = _parser().parse_args(argv)
-  source = Path(args.source)
-  model_cfg = _model_config_from_file(args.config) if args.config else None
-  if source.suffix == '.bin':
-    if model_cfg is None:
-      raise UsageError('E-USAGE-003', f'{source} is a .bin, which holds no model config',
-                       'pass --config=configs/<name>.py, the config it was trained with')
-    out = export_bin(source, args.format, args.out, model_cfg, optimizer=args.optimizer)
-  else:
-    out = export_checkpoint(source, args.format, args.out, model_cfg=model_cfg,
-                            optimizer=args.optimizer)
-  print(f'exported {source} as {args.format} to {out}')
-  return 0

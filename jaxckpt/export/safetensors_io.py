@@ -31,10 +31,19 @@ from jaxckpt.export import atomic_file
 DTYPES_KEY = 'jaxckpt.dtypes'
 
 # numpy dtype -> safetensors dtype tag, for what is stored as is.
-_TAGS = {np.dtype(np.float32): 'F32', np.dtype(np.float64): 'F64', np.dtype(np.int64): 'I64',
-         np.dtype(np.int32): 'I32', np.dtype(np.int16): 'I16', np.dtype(np.int8): 'I8',
-         np.dtype(np.uint64): 'U64', np.dtype(np.uint32): 'U32', np.dtype(np.uint16): 'U16',
-         np.dtype(np.uint8): 'U8', np.dtype(np.bool_): 'BOOL'}
+_TAGS = {
+    np.dtype(np.float32): 'F32',
+    np.dtype(np.float64): 'F64',
+    np.dtype(np.int64): 'I64',
+    np.dtype(np.int32): 'I32',
+    np.dtype(np.int16): 'I16',
+    np.dtype(np.int8): 'I8',
+    np.dtype(np.uint64): 'U64',
+    np.dtype(np.uint32): 'U32',
+    np.dtype(np.uint16): 'U16',
+    np.dtype(np.uint8): 'U8',
+    np.dtype(np.bool_): 'BOOL'
+}
 
 
 def _is_narrow_float(dtype: np.dtype) -> bool:
@@ -59,7 +68,9 @@ def _stored_dtype(dtype: np.dtype) -> np.dtype:
   return dtype.newbyteorder('<')
 
 
-def write_tensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray], *,
+def write_tensors(path: str | os.PathLike,
+                  tensors: Mapping[str, np.ndarray],
+                  *,
                   metadata: Mapping[str, object] | None = None) -> None:
   """Write `tensors` (in order) to a safetensors file at `path`, durably and atomically.
 
@@ -88,8 +99,10 @@ def _header(arrays: Mapping[str, np.ndarray], meta: Mapping[str, str]) -> bytes:
   for name, x in arrays.items():
     dtype = _stored_dtype(x.dtype)
     nbytes = x.size * dtype.itemsize
-    entries[name] = {'dtype': _TAGS[dtype.newbyteorder('=')], 'shape': list(x.shape),
-                     'data_offsets': [offset, offset + nbytes]}
+    entries[name] = {
+        'dtype': _TAGS[dtype.newbyteorder('=')], 'shape': list(x.shape),
+        'data_offsets': [offset, offset + nbytes]
+    }
     offset += nbytes
   raw = json.dumps(entries, separators=(',', ':')).encode()
   return raw + b' ' * (-len(raw) % 8)  # pad so the data starts 8-byte aligned, as safetensors does
@@ -110,7 +123,9 @@ def _dtype(name: str) -> np.dtype:
   return np.dtype(getattr(ml_dtypes, name, name))
 
 
-def write_model(path: str | os.PathLike, params: Mapping[str, np.ndarray], *,
+def write_model(path: str | os.PathLike,
+                params: Mapping[str, np.ndarray],
+                *,
                 metadata: Mapping[str, object] | None = None) -> None:
   """`model.safetensors`: {dotted name: array}, e.g. from `jaxckpt.model.flatten_params`."""
   write_tensors(path, params, metadata=metadata)
@@ -126,8 +141,10 @@ def optimizer_names(names: Iterable[str]) -> list[str]:
   return [f'{n}/{s}' for n in names for s in ('m', 'v')]
 
 
-def write_optimizer(path: str | os.PathLike, m: Mapping[str, np.ndarray],
-                    v: Mapping[str, np.ndarray], *,
+def write_optimizer(path: str | os.PathLike,
+                    m: Mapping[str, np.ndarray],
+                    v: Mapping[str, np.ndarray],
+                    *,
                     metadata: Mapping[str, object] | None = None) -> None:
   """`optimizer.safetensors`: Adam's moments as `<name>/m` and `<name>/v`, in `m`'s order."""
   if sorted(m) != sorted(v):
@@ -138,8 +155,8 @@ def write_optimizer(path: str | os.PathLike, m: Mapping[str, np.ndarray],
   write_tensors(path, tensors, metadata=metadata)
 
 
-def read_optimizer(path: str | os.PathLike
-                   ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, str]]:
+def read_optimizer(
+    path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, str]]:
   """(m, v, metadata) from an `optimizer.safetensors`, keyed by dotted parameter name."""
   tensors, meta = read_tensors(path)
   m = {k[:-2]: x for k, x in tensors.items() if k.endswith('/m')}

@@ -1,22 +1,25 @@
-"""What every jaxckpt entry point shares: one-line errors, exit codes, quiet library logs."""
+"""The trainer's command line: a `--config` file or `--config.*` field that fails is one line.
+
+`python -m jaxckpt.main` defines its config flag with `define_config_file` and parses with
+`parse_flags_or_exit`, so a missing, broken or foreign config file, an unknown field or a bad
+flag is `jaxckpt: E-...: what; fix` and exit 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import logging as py_logging
 import os
 import re
 import sys
 import traceback
-from typing import Callable
 
 import ml_collections
-from absl import flags, logging
+from absl import flags
 from ml_collections.config_flags import config_flags  # is_config_flag is not re-exported
 
-from jaxckpt.checkpoint.signals import Interrupted
-from jaxckpt.errors import ConfigError, JaxckptError, UsageError
+from jaxckpt.cli.parser import exit_with
+from jaxckpt.errors import ConfigError, UsageError
 
 _CONFIG_FIX = 'pass a file like configs/tiny.py, whose get_config() returns a ConfigDict'
 
@@ -30,8 +33,8 @@ def define_config_file(name: str, help_string: str) -> flags.FlagHolder:
   try:
     return config_flags.DEFINE_config_file(name, None, help_string, lock_config=True)
   except flags.Error:
-    return config_flags.DEFINE_config_file(name, None, help_string, lock_config=True,
-                                           sys_argv=sys.argv[:1])
+    return config_flags.DEFINE_config_file(
+        name, None, help_string, lock_config=True, sys_argv=sys.argv[:1])
 
 
 def parse_flags_or_exit(argv: list[str]) -> list[str]:
@@ -47,18 +50,14 @@ def parse_flags_or_exit(argv: list[str]) -> list[str]:
     problem = config_problem(argv)
     if problem is None and not isinstance(e, flags.Error):
       raise  # not bad input: a bug
-    _exit(problem or UsageError('E-USAGE-001', ' '.join(str(e).split()), 'see --help'))
+    exit_with(problem or UsageError('E-USAGE-001', ' '.join(str(e).split()), 'see --help'))
   for name in _config_flag_names():
     value = flags.FLAGS[name].value
     if value is not None and not isinstance(value, ml_collections.ConfigDict):
-      _exit(config_problem(argv) or ConfigError('E-CONFIG-007', f'--{name} did not load',
-                                                _CONFIG_FIX))
+      exit_with(
+          config_problem(argv)
+          or ConfigError('E-CONFIG-007', f'--{name} did not load', _CONFIG_FIX))
   return rest
-
-
-def _exit(e: JaxckptError) -> None:
-  print(f'jaxckpt: {e.line()}', file=sys.stderr, flush=True)
-  sys.exit(e.exit_code)
 
 
 def _config_flag_names() -> list[str]:
@@ -112,8 +111,11 @@ def _load_config(name: str, path: str) -> ml_collections.ConfigDict | ConfigErro
   except SyntaxError as e:
     return fail(f'{e.msg} at line {e.lineno}')
   except Exception as e:  # pylint: disable=broad-except
-    lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
-             if os.path.realpath(f.filename) == os.path.realpath(file)]
+    lines = [
+        f.lineno
+        for f in traceback.extract_tb(e.__traceback__)
+        if os.path.realpath(f.filename) == os.path.realpath(file)
+    ]
     where = f' at line {lines[-1]}' if lines else ''
     return fail(f'{type(e).__name__}{where}: ' + ' '.join(str(e).split()))
   if not isinstance(config, ml_collections.ConfigDict):
@@ -121,8 +123,7 @@ def _load_config(name: str, path: str) -> ml_collections.ConfigDict | ConfigErro
   return config
 
 
-def _unknown_field(name: str, config: ml_collections.ConfigDict,
-                   field: str) -> ConfigError | None:
+def _unknown_field(name: str, config: ml_collections.ConfigDict, field: str) -> ConfigError | None:
   """The error for `--<name>.<field>` when the config has no such field; None when it has."""
   node, parts = config, field.split('.')
   for i, part in enumerate(parts):
@@ -136,29 +137,3 @@ def _unknown_field(name: str, config: ml_collections.ConfigDict,
                          f'its fields are {", ".join(sorted(node))}')
     node = node[part]
   return None
-
-
-def run_reporting_errors(fn: Callable[[], int | None]) -> int:
-  """Run `fn`; a `JaxckptError` becomes one line `jaxckpt: <code>: ...` and its exit code.
-
-  So does a stop signal: `jaxckpt: interrupted by SIGTERM at step N`, exit 128+n.
-  """
-  try:
-    return fn() or 0
-  except JaxckptError as e:
-    _exit(e)
-  except Interrupted as e:
-    print(f'jaxckpt: {e}', file=sys.stderr, flush=True)
-    sys.exit(e.exit_code)
-
-
-class _DropLibraryInfo(py_logging.Filter):
-  """orbax and jax log INFO lines of their own (per save, per backend); keep only warnings."""
-
-  def filter(self, record: py_logging.LogRecord) -> bool:
-    path = record.pathname.replace('\\', '/')
-    return record.levelno >= py_logging.WARNING or not ('/orbax/' in path or '/jax/' in path)
-
-
-def configure_logging() -> None:
-  logging.get_absl_handler().addFilter(_DropLibraryInfo())

@@ -7,7 +7,9 @@
     jaxckpt pivot    --workdir=DIR          archive the phase's satellites; the next start is a new phase
     jaxckpt plot     --workdir=DIR [--out=loss.png]
 
-Each subcommand lives in its own module and is imported only when used (jax is slow to import).
+Each subcommand lives in its own module (`jaxckpt/cli/<name>_command.py`, a `main(argv)`), and is
+imported only when used: jax is slow to import, and `inspect` never needs it. The trainer's own
+entry point is `python -m jaxckpt.main`.
 """
 
 from __future__ import annotations
@@ -15,16 +17,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-from jaxckpt import cli_support
+from jaxckpt.cli import parser
 
-COMMANDS = {
-    'inspect': ('jaxckpt.inspection', 'inspect_main'),
-    'verify': ('jaxckpt.inspection', 'verify_main'),
-    'export': ('jaxckpt.export.offline', 'main'),
-    'evaluate': ('jaxckpt.evaluate', 'main'),
-    'pivot': ('jaxckpt.phases', 'pivot_main'),
-    'plot': ('jaxckpt.plot', 'main'),
-}
+COMMANDS = ('inspect', 'verify', 'export', 'evaluate', 'pivot', 'plot')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,13 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     print(__doc__.strip())
     return 0
   if argv[0] not in COMMANDS:
-    print(f'jaxckpt: E-USAGE-002: unknown command {argv[0]!r}; one of: {", ".join(COMMANDS)}',
-          file=sys.stderr)
+    print(
+        f'jaxckpt: E-USAGE-002: unknown command {argv[0]!r}; one of: {", ".join(COMMANDS)}',
+        file=sys.stderr)
     return 2
-  module, func = COMMANDS[argv[0]]
-  run = getattr(importlib.import_module(module), func)
-  return cli_support.run_reporting_errors(lambda: run(argv[1:]))
-
-
-if __name__ == '__main__':
-  sys.exit(main())
+  command = importlib.import_module(f'{__name__}.{argv[0]}_command').main
+  return parser.run_reporting_errors(lambda: command(argv[1:]))

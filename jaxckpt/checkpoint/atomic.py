@@ -1,0 +1,107 @@
+"""Durable writes: a reader sees the old content or the whole new content, never a mix.
+
+Each write goes to a temporary sibling (`<name>.tmp-<nonce>`), is fsynced, renamed over its
+final name, and the directory is fsynced. A directory that replaces another is swapped in with
+one `renameat2(RENAME_EXCHANGE)` where the OS has it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from .errors import CheckpointError
+
+
+def fsync_dir(path: Path) -> None:
+  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+TMP_MARK = '.tmp-'  # temporary siblings are named `<final name>.tmp-<nonce>`
+
+
+def temporary_sibling(path: Path) -> Path:
+  return path.with_name(f'{path.name}{TMP_MARK}{uuid.uuid4().hex[:12]}')
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+  """Yields a temporary path next to `path`; on success it becomes `path`, durably.
+
+  The caller writes the whole file to the yielded path. It is then fsynced, renamed over `path`
+  (old content or new, never a mix) and the directory fsynced. On error it is removed.
+  """
+  path = Path(path)
+  tmp = temporary_sibling(path)
+  try:
+    yield tmp
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
+    os.replace(tmp, path)
+  except BaseException:
+    tmp.unlink(missing_ok=True)
+    raise
+  fsync_dir(path.parent)
+
+
+def exchange(a: Path, b: Path) -> bool:
+  """Atomically swap two paths (Linux >= 3.15 `renameat2` RENAME_EXCHANGE).
+
+  Returns False, having changed nothing, where the OS or the filesystem cannot.
+  """
+  renameat2 = getattr(ctypes.CDLL(None, use_errno=True), 'renameat2', None)
+  if renameat2 is None:
+    return False
+  at_fdcwd, rename_exchange = -100, 2
+  return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+  """Write `data` to `path` so that `path` holds either the old or the whole new content."""
+  with atomic_file(path) as tmp:
+    tmp.write_bytes(data)
+
+
+def write_json_durably(path: Path, obj: Any) -> None:
+  write_file_durably(path, (json.dumps(obj, indent=1, sort_keys=False) + '\n').encode())
+
+
+def read_json(path: Path) -> Any:
+  try:
+    with open(path, 'rb') as f:
+      return json.loads(f.read())
+  except (OSError, ValueError) as e:
+    raise CheckpointError('E-CKPT-004', f'cannot read {path}: {e}',
+                          'the file is missing or corrupt; verify the checkpoint') from e
+
+
+def publish_dir(tmp: Path, path: Path) -> None:
+  """Rename the complete directory `tmp` to `path`, replacing an existing `path` in one step.
+
+  With RENAME_EXCHANGE a crash at any moment leaves the old directory or the new one at `path`,
+  never neither; the old one, now at `tmp`'s name, is then removed. Where the OS or filesystem
+  cannot exchange, the old one is renamed aside first: a crash between the two renames leaves
+  only debris at `path`'s temporary names. The caller fsyncs `path.parent` afterwards.
+  """
+  if not path.exists():
+    os.rename(tmp, path)
+    return
+  if not exchange(tmp, path):
+    aside = temporary_sibling(path)
+    os.rename(path, aside)
+    os.rename(tmp, path)
+    tmp = aside
+  shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,85 @@
+"""`jaxckpt export SOURCE --format=safetensors|hf|bin --out=PATH`: a checkpoint or `.bin` as
+files other tools read (`jaxckpt.export.offline`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from jaxckpt import provenance
+from jaxckpt.cli.parser import ArgumentParser
+from jaxckpt.errors import UsageError
+from jaxckpt.export.offline import FORMATS, export_bin, export_checkpoint
+
+
+def _parser():
+  parser = ArgumentParser(
+      prog='jaxckpt export',
+      description='Export a committed checkpoint, or a .bin, for other '
+      'tools: flat safetensors, a Hugging Face GPT-2 directory, or the raw ANDREA .bin.')
+  parser.add_argument(
+      'source',
+      help='a committed checkpoints/step_<n> directory, or a '
+      'step_NNNNNN.bin (then --config is needed)')
+  parser.add_argument(
+      '--format',
+      required=True,
+      metavar='|'.join(FORMATS),
+      help='safetensors: OUT/model.safetensors (+ optimizer.safetensors); hf: a '
+      'GPT2LMHeadModel directory; bin: the raw ANDREA file (checkpoints only)')
+  parser.add_argument(
+      '--out',
+      required=True,
+      help='the directory (safetensors, hf) or file '
+      '(bin) to write; replaced atomically if it exists')
+  parser.add_argument(
+      '--config',
+      help='configs/<name>.py: the model config (required for a '
+      ".bin, which holds none; overrides the manifest's for a checkpoint)")
+  parser.add_argument(
+      '--no-optimizer',
+      dest='optimizer',
+      action='store_false',
+      help='safetensors: leave out optimizer.safetensors (Adam m and v)')
+  return parser
+
+
+def _model_config_from_file(path: str):
+  """`config.model` of a configs/*.py file, loaded as `python -m jaxckpt.main --config` does."""
+  file = Path(path.split(':', 1)[0])
+  if not file.is_file():
+    raise UsageError('E-USAGE-001', f'--config={path}: no such file', 'pass a configs/<name>.py')
+  # Config files import their siblings as `configs.default`: make their package's parent
+  # importable even when `jaxckpt` runs as a console script from elsewhere.
+  root = str(file.resolve().parent.parent)
+  if root not in sys.path:
+    sys.path.append(root)
+  try:
+    return provenance.load_config_file(path).model
+  except Exception as e:
+    raise UsageError('E-USAGE-001', f'--config={path} could not be loaded: '
+                     f'{type(e).__name__}: {e}', 'pass a configs/<name>.py file') from e
+
+
+def main(argv: list[str]) -> int:
+  """`jaxckpt export SOURCE --format=safetensors|hf|bin --out=PATH [--config=FILE]`.
+
+    jaxckpt export runs/tiny/checkpoints/step_00000300 --format=hf --out=out/tiny_hf
+    jaxckpt export runs/tiny/exports/step_000300.bin --format=hf --config=configs/tiny.py \\
+        --out=out/tiny_hf
+
+  `argv` excludes the subcommand. Usage errors raise `UsageError` (one line, exit 2).
+  """
+  args = _parser().parse_args(argv)
+  source = Path(args.source)
+  model_cfg = _model_config_from_file(args.config) if args.config else None
+  if source.suffix == '.bin':
+    if model_cfg is None:
+      raise UsageError('E-USAGE-003', f'{source} is a .bin, which holds no model config',
+                       'pass --config=configs/<name>.py, the config it was trained with')
+    out = export_bin(source, args.format, args.out, model_cfg, optimizer=args.optimizer)
+  else:
+    out = export_checkpoint(
+        source, args.format, args.out, model_cfg=model_cfg, optimizer=args.optimizer)
+  print(f'exported {source} as {args.format} to {out}')
+  return 0

@@ -1,0 +1,180 @@
+"""`jaxckpt inspect CKPT [--json]`: what a checkpoint is, from its manifest alone.
+
+    jaxckpt inspect runs/tiny/checkpoints/step_00000300          identity, knobs, every tensor
+    jaxckpt inspect runs/tiny/checkpoints/step_00000300 --json   the same for scripts
+
+It reads manifest.json and nothing else: no array is loaded and jax is not imported (so it answers
+in well under a second for any size of model). A manifest that does not match its own checksum is
+printed with a warning at its top and bottom; `jaxckpt verify` is what judges a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+from jaxckpt import names
+from jaxckpt.checkpoint import discovery, manifest
+from jaxckpt.cli.parser import ArgumentParser
+
+_ITEMSIZE = {
+    'bool': 1, 'int8': 1, 'uint8': 1, 'int16': 2, 'uint16': 2, 'float16': 2, 'bfloat16': 2,
+    'int32': 4, 'uint32': 4, 'float32': 4, 'int64': 8, 'uint64': 8, 'float64': 8, 'complex64': 8,
+    'complex128': 16
+}
+
+
+def describe(step_dir: Path, m: Mapping[str, Any], raw: bytes | None = None) -> dict[str, Any]:
+  """The manifest, plus: its path, each tensor's `trainable`, each parameter's flat offset, and
+  with `raw` (the manifest's bytes) whether it matches its own checksum (`manifest_seal`: ok,
+  absent (written before seals) or mismatch, with the problem in `warnings`)."""
+  out = {'path': str(step_dir), **m}
+  if raw is not None:
+    problem = manifest.check_seal(raw, m)
+    out['manifest_seal'] = 'mismatch' if problem else 'ok' if manifest.SEAL in m else 'absent'
+    out['warnings'] = [problem] if problem else []
+  params = m.get('parameters')
+  trainable = {}
+  if params is not None:
+    rows, offset = [], 0
+    for row in params:
+      count = math.prod(row['shape'])
+      rows.append({**row, 'offset': offset, 'size': count})
+      trainable[row['path']] = row.get('trainable')
+      offset += count
+    out['parameters'] = rows
+  tensors = []
+  for t in m.get('tensors') or []:
+    name = t['name']
+    if name.startswith('params/'):
+      flag = trainable.get(names.dotted_of_params_leaf(name)) if params is not None else None
+    else:
+      flag = False  # optimizer state and counters: not parameters, never trained
+    tensors.append({**t, 'trainable': flag})
+  out['tensors'] = tensors
+  return out
+
+
+# ------------------------------------------------------------------------------- inspect
+def _table(rows: list[list[str]], indent: str = '  ') -> list[str]:
+  if not rows:
+    return []
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return [indent + '  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+
+
+def _bytes(t: Mapping[str, Any]) -> int | None:
+  size = _ITEMSIZE.get(t.get('dtype'))
+  return None if size is None else size * math.prod(t['shape'])
+
+
+def _shape(shape) -> str:
+  return '(' + ', '.join(str(d) for d in shape) + (',)' if len(shape) == 1 else ')')
+
+
+def _warning(problem: str) -> str:
+  return (f'WARNING: {problem}: the manifest was changed after it was written, so what it says '
+          'may be wrong (`jaxckpt verify` fails this checkpoint)')
+
+
+def render(d: Mapping[str, Any]) -> str:
+  """The human-readable form of `describe(...)`."""
+  # A damaged manifest's warning opens and closes the output: it must not scroll out of sight.
+  warnings = [_warning(w) for w in d.get('warnings') or []]
+  lines = warnings + [
+      f'checkpoint  {d["path"]}', f'step        {d.get("step")}' +
+      ("  (finished: the run's last step)" if d.get('finished') else '')
+  ]
+  if d.get('committed_at') is not None:
+    lines.append('committed   ' +
+                 time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(d['committed_at'])))
+  if 'seed' in d:
+    lines.append(f'seed        {d["seed"]}')
+  where = [
+      f'mesh {d["mesh"]}' if d.get('mesh') is not None else '',
+      f'devices {d["devices"]}' if d.get('devices') is not None else '',
+      f'processes {d["processes"]}' if d.get('processes') is not None else '',
+      f'platform {d["platform"]}' if d.get('platform') is not None else ''
+  ]
+  if any(where):
+    lines.append('placement   ' + ', '.join(w for w in where if w))
+  if d.get('counters'):
+    lines.append('counters    ' + ', '.join(f'{k} {v}' for k, v in d['counters'].items()))
+  if d.get('init_from'):
+    pin = d['init_from']
+    lines.append(f'init_from   {pin["path"]} ({pin["size"]:,} bytes, sha256 {pin["sha256"]})')
+  if d.get('versions'):
+    lines.append('versions    ' + ', '.join(f'{k} {v}' for k, v in d['versions'].items()))
+
+  knobs = d.get('knobs')
+  if knobs is None and d.get('config') is not None:  # a manifest from before knob tables
+    from jaxckpt.identity import flatten_config
+    knobs = {k: {'value': v, 'source': '?'} for k, v in flatten_config(d['config']).items()}
+  if knobs:
+    lines += ['', f'knobs ({len(knobs)})']
+    lines += _table([[k, json.dumps(v['value']), v['source']] for k, v in knobs.items()])
+  if d.get('sources'):
+    lines += ['', f'sources ({len(d["sources"])}, sha256)']
+    lines += _table([[h[:12], p] for p, h in d['sources'].items()])
+  if d.get('optimizer'):
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for param, states in d['optimizer'].items():
+      groups.setdefault(tuple(states), []).append(param)
+    lines += ['', 'optimizer state']
+    lines += _table([[
+        ', '.join(states) or '(none)',
+        params[0] if len(params) == 1 else f'{len(params)} parameters'
+    ] for states, params in groups.items()])
+
+  if d.get('parameters') is not None:
+    total = sum(r['size'] for r in d['parameters'])
+    lines += [
+        '', f'parameters ({len(d["parameters"])}, {total:,} elements; offset = element '
+        'offset in the flat .bin export)'
+    ]
+    lines += _table([['offset', 'name', 'dtype', 'shape', 'spec', 'trainable']] + [[
+        f'{r["offset"]:,}', r['path'], r['dtype'],
+        _shape(r['shape']),
+        str(r.get('spec')), {True: 'yes', False: 'frozen'}.get(r.get('trainable'), '?')
+    ] for r in d['parameters']])
+  tensors = d.get('tensors') or []
+  nbytes = sum(_bytes(t) or 0 for t in tensors)
+  lines += ['', f'tensors ({len(tensors)}, {nbytes:,} bytes)']
+  lines += _table([['name', 'dtype', 'shape', 'spec', 'trainable']] + [
+      [
+          t['name'],
+          t['dtype'],
+          _shape(t['shape']),
+          str(t.get('spec')),
+          '-' if not t['name'].startswith('params/') else  # optimizer state, counters
+          {True: 'yes', False: 'frozen'}.get(t['trainable'], '?')
+      ] for t in tensors
+  ])
+  files = d.get('files') or {}
+  lines += [
+      '', f'files ({len(files)}, {sum(f["size"] for f in files.values()):,} bytes; '
+      '`jaxckpt verify` checks them)'
+  ]
+  if warnings:
+    lines += ['', *warnings]
+  return '\n'.join(lines)
+
+
+def main(argv: list[str]) -> int:
+  """`jaxckpt inspect CKPT [--json]`."""
+  parser = ArgumentParser(
+      prog='jaxckpt inspect',
+      description='Print what a checkpoint is, '
+      'from its manifest.json alone (no array is loaded).')
+  parser.add_argument('checkpoint', help='a checkpoints/step_<n> directory')
+  parser.add_argument('--json', action='store_true', help='one JSON object, for scripts')
+  args = parser.parse_args(argv)
+  step_dir = discovery.checkpoint_dir(args.checkpoint)
+  raw, m = discovery.read_manifest_bytes(step_dir)
+  d = describe(step_dir, m, raw)
+  # Exit 0 even with a seal warning: inspect shows what a manifest says; verify judges it.
+  print(json.dumps(d, indent=1) if args.json else render(d))
+  return 0

@@ -1,0 +1,65 @@
+"""A run's config, checked once at the start with errors that name the field.
+
+Configs are `configs/*.py` files whose `get_config()` returns an `ml_collections.ConfigDict`
+(every field is documented in `configs/default.py`); `validate_config` is the one place that
+decides whether a config can run, before anything is compiled or written.
+"""
+
+from __future__ import annotations
+
+from jaxckpt import bandit as bandit_lib
+from jaxckpt import init_from as init_from_lib
+from jaxckpt.checkpoint import ArgumentError, CheckpointOptions
+from jaxckpt.errors import ConfigError
+from jaxckpt.export import during_training
+
+
+def validate_config(config) -> None:
+  """Check the config once, at the start, with errors that name the field."""
+  m, t = config.model, config.train
+  positive = {
+      'model.n_layer': m.n_layer, 'model.n_head': m.n_head, 'model.n_embd': m.n_embd,
+      'model.block_size': m.block_size, 'model.vocab_size': m.vocab_size, 'train.steps': t.steps,
+      'train.batch_size': t.batch_size, 'train.lr': t.lr, 'train.log_every': t.log_every
+  }
+  for field, value in positive.items():
+    if not value > 0:
+      raise ConfigError('E-CONFIG-001', f'{field}={value} must be positive',
+                        f'set --config.{field}')
+  if m.n_embd % m.n_head:
+    raise ConfigError('E-CONFIG-001', f'model.n_embd={m.n_embd} is not a multiple of '
+                      f'model.n_head={m.n_head}', 'change one of them')
+  if not 0 < config.data.heldout_fraction < 1:
+    raise ConfigError(
+        'E-CONFIG-001', f'data.heldout_fraction={config.data.heldout_fraction} '
+        'must be between 0 and 1', 'set --config.data.heldout_fraction')
+  if m.dtype not in ('float32', 'bfloat16'):
+    raise ConfigError('E-CONFIG-001', f'model.dtype={m.dtype!r} is not float32 or bfloat16',
+                      'set --config.model.dtype')
+  if config.samples.keep < 0:
+    raise ConfigError('E-CONFIG-001', f'samples.keep={config.samples.keep} is negative',
+                      'set --config.samples.keep to the rounds to keep (0: none)')
+  if len(config.samples.prompt.encode()) >= m.block_size:
+    raise ConfigError('E-CONFIG-001', 'samples.prompt is as long as model.block_size',
+                      'shorten --config.samples.prompt')
+  bandit_lib.validate(config.bandit, list(config.data.sources))
+  init_from_lib.validate(config)
+  checkpoint_options(config)  # validates mode and counts
+  during_training.options_from_config(config)  # validates export cadence, formats, retention
+
+
+def checkpoint_options(config):
+  """The checkpoint library's options for `config.checkpoint`; a bad value is a ConfigError."""
+  c = config.checkpoint
+  try:
+    return CheckpointOptions(
+        every_steps=c.every,
+        every_secs=c.secs,
+        mode=c.mode,
+        keep=c.keep,
+        keep_every=c.keep_every,
+        storage=c.storage)
+  except ArgumentError as e:
+    raise ConfigError(
+        e.code, e.what, 'set --checkpoint_every, --checkpoint_secs, '
+        '--checkpoint_mode, --keep, --keep_every or --config.checkpoint.*') from None

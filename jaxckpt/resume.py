@@ -1,0 +1,251 @@
+"""Where a start continues from, and the state it continues with.
+
+`find_resume_point` turns `--resume` (latest | none | PATH | FILE.bin) into a checkpoint to
+continue from, or None for a fresh start; `start` builds the initial state and bandit: fresh
+(with `init_from`'s weights when configured), restored from a checkpoint after the identity
+check, or read from a `.bin`. A checkpoint found damaged while it is restored is passed over for
+the next newest, as `latest` passes over one whose manifest or sizes are wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from absl import logging
+
+from jaxckpt import bandit as bandit_lib
+from jaxckpt import identity, names, phases
+from jaxckpt import init_from as init_from_lib
+from jaxckpt import model as model_lib
+from jaxckpt.bin_resume import restore_from_bin
+from jaxckpt.checkpoint import ArgumentError, CheckpointError, discovery, layout, named_leaves
+from jaxckpt.errors import ResumeError
+from jaxckpt.runlog import RunLog
+from jaxckpt.session import Session
+from jaxckpt.trainer import TrainState
+
+
+def find_resume_point(resume: str,
+                      ckpt_dir: Path,
+                      known_bad: Mapping[Path, str] | None = None) -> Path | None:
+  """The committed checkpoint directory (or `.bin` file) to continue from; None: a fresh start.
+
+  `latest`: the newest committed checkpoint, or a fresh start when there is none.
+  `none`: a fresh start, refused when checkpoints exist (it would fork the run's history).
+  `PATH.bin`: a raw `step_NNNNNN.bin` export (weights, Adam m and v; see `jaxckpt.bin_resume`).
+  anything else: the path of a committed `step_<n>` directory.
+
+  The checkpoint's files are checked here for presence, sizes and the manifest's seal; their
+  checksums are checked by the restore, while it reads them: the data is read once, not twice.
+  `known_bad` ({path: problem}) are checkpoints that failed that check: `latest` passes over them.
+  """
+  if resume.endswith('.bin'):
+    if not Path(resume).is_file():
+      raise ResumeError('E-BIN-003', f'cannot read --resume={resume}: no such file',
+                        'check the path of the .bin file')
+    return Path(resume)
+  if resume == 'latest':
+    # The newest checkpoint that passes verification; a damaged newer one is passed over.
+    try:
+      path, skipped = discovery.latest_intact_or_raise(
+          ckpt_dir, checksums=False, known_bad=known_bad)
+    except CheckpointError as e:
+      if e.code != 'E-RESUME-004':  # none intact (E-RESUME-002, an unlistable location, passes)
+        raise
+      raise ResumeError(
+          e.code, e.what, 'see `jaxckpt verify` on the workdir; restore the '
+          'files, or start over in a new --workdir') from None
+    for bad, problem in skipped:
+      if bad not in (known_bad or {}):  # those were warned about when they failed
+        logging.warning('passing over %s: %s', bad, problem)
+    return path
+  if resume == 'none':
+    steps = layout.committed_steps(ckpt_dir)
+    if steps:
+      raise ResumeError(
+          'E-RESUME-001', f'--resume=none but {ckpt_dir} already holds committed '
+          f'checkpoints (steps {min(steps)}..{max(steps)}); starting fresh would '
+          "silently fork the run's history", 'use --resume=latest to continue, '
+          'or a new --workdir to start over')
+    return None
+  # An explicit PATH that fails is an error, here or (a checksum) when it is loaded.
+  try:
+    return discovery.intact_or_raise(resume, checksums=False)
+  except ArgumentError as e:
+    raise ResumeError(
+        e.code, f'--resume={resume} is not a committed checkpoint (a step_<n> '
+        'directory with a manifest.json)', 'use --resume=latest, --resume=none, '
+        'or the path of a step_<n> directory') from None
+  except CheckpointError as e:
+    raise CheckpointError(
+        e.code, e.what, 'resume from another checkpoint (`jaxckpt verify '
+        'WORKDIR` lists the intact ones), or --resume=latest to take the newest '
+        'intact one') from None
+
+
+def start(session: Session, resume: str, resume_dir: Path | None) -> tuple[TrainState, int]:
+  """(initial state, step) of this start, from `resume_dir` (`find_resume_point(resume)`).
+
+  With --resume=latest, a checkpoint whose data fails its checksum while it is being restored is
+  passed over (with a warning) for the next newest, as a damaged manifest would be.
+  """
+  known_bad: dict[Path, str] = {}
+  while True:
+    try:
+      return _start_from(session, resume_dir)
+    except CheckpointError as e:
+      if resume != 'latest' or resume_dir is None or e.code != 'E-CKPT-003':
+        raise
+      logging.warning('passing over %s: %s', resume_dir, e.what)
+      known_bad[resume_dir] = e.what
+      resume_dir = find_resume_point(resume, session.mgr.directory, known_bad)
+
+
+def _start_from(session: Session, resume_dir: Path | None) -> tuple[TrainState, int]:
+  """The initial state and bandit: fresh, or restored from `resume_dir`."""
+  config, runlog, mgr = session.trainer.config, session.runlog, session.mgr
+  changes: list[str] = []
+  loaded = None  # the init_from event's fields
+  if resume_dir is None:
+    state, step, run_state = session.trainer.init_fn(jax.random.key(config.seed)), 0, {}
+    if session.identity.get('init_from'):
+      state, loaded = _init_from_file(session, state)
+  elif resume_dir.suffix == '.bin':
+    state, run_state = restore_from_bin(session.trainer, resume_dir, mgr.directory, runlog)
+    step = int(run_state['step'])
+  else:
+    # Refuse what does not fit before loading anything; record what changed and is allowed.
+    meta = mgr.read_manifest(resume_dir)
+    changes = identity.compare(meta, session.identity, where=str(resume_dir)).lines
+    state, run_state, loaded = _restore(session, resume_dir, meta)
+    step = int(run_state['step'])
+  runlog.event(
+      'started',
+      step=step,
+      segment=runlog.segment,
+      devices=jax.device_count(),
+      mesh=dict(session.trainer.mesh.shape))
+  if resume_dir is not None:
+    runlog.event('resumed', step=step, path=str(resume_dir), changes=changes)
+    logging.info('resumed from %s (step %d)', resume_dir, step)
+    for line in changes:
+      logging.info('changed since the checkpoint: %s', line)
+  if loaded is not None:
+    _report_init_from(runlog, step, loaded)
+  if mgr.removed_debris:
+    runlog.event('cleaned', paths=[str(p) for p in mgr.removed_debris])
+    logging.info('removed %d incomplete checkpoint(s)', len(mgr.removed_debris))
+  session.bandit = _start_bandit(session, run_state.get('bandit'))
+  session.resumed_from = resume_dir
+  # The cadence counts from here: steps replayed past an older checkpoint are saved again,
+  # replacing what an earlier history (or a damaged checkpoint passed over) left at those steps.
+  mgr.continue_from(step)
+  runlog.status(
+      state='running',
+      step=step,
+      total_steps=config.train.steps,
+      last_checkpoint=mgr.latest_step(),
+      phase=session.bandit.state['phase'],
+      error=None)
+  return state, step
+
+
+def _restore(session: Session, resume_dir: Path,
+             meta: dict[str, Any]) -> tuple[TrainState, dict[str, Any], dict[str, Any] | None]:
+  """Restore `resume_dir`: (state, run_state, the init_from event's fields or None).
+
+  The parameters its manifest lists as `excluded` (frozen, from init_from) are read from the
+  pinned file, which `identity.compare` has just found unchanged.
+  """
+  abstract = session.trainer.abstract_state()
+  new_pin = session.identity.get('init_from')
+  pin = new_pin or meta.get('init_from')  # the config may drop init_from; the file still counts
+  left_out = [t['name'] for t in meta.get('excluded') or []]
+  arrays = {}
+  if pin is not None and (left_out or (new_pin and session.frozen_params)):
+    arrays = _read_init_file(session, pin)
+  if new_pin:  # else the checkpoints this run writes hold every parameter
+    session.file_frozen = {n: x for n, x in arrays.items() if n in session.frozen_params}
+  if not left_out:
+    state, run_state = session.mgr.restore(resume_dir, abstract)
+    return state, run_state, None
+  leaves = named_leaves(abstract)
+  dotted = lambda leaf: (names.param_of_leaf(leaf) or ('', leaf))[1]
+  unreadable = [n for n in left_out if n not in leaves or dotted(n) not in arrays]
+  if unreadable:
+    raise ResumeError(
+        'E-LOAD-001', f'{resume_dir} does not hold {", ".join(unreadable[:5])} '
+        'and its pinned init_from file does not either', 'resume from a checkpoint '
+        'that holds them, or start a new --workdir')
+  restored, run_state = session.mgr.restore(resume_dir,
+                                            {n: x for n, x in leaves.items() if n not in left_out})
+  for name in left_out:
+    value = arrays[dotted(name)]
+    restored[name] = jax.make_array_from_callback(
+        value.shape, leaves[name].sharding, lambda idx, value=value: value[idx])
+  state = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(abstract), [restored[n] for n in leaves])
+  read = {dotted(n) for n in left_out}
+  return state, run_state, {
+      'path': pin['path'], 'sha256': pin['sha256'],
+      'read': [n for n in model_lib.parameter_names(session.trainer.config.model) if n in read]
+  }
+
+
+def _read_init_file(session: Session, pin: dict[str, Any]) -> dict[str, np.ndarray]:
+  return init_from_lib.read(pin['path'],
+                            session.trainer.abstract_state().params, session.trainer.config.model)
+
+
+def _init_from_file(session: Session, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+  """A fresh state with the parameters the init_from file holds loaded; the event's fields."""
+  pin = session.identity['init_from']
+  arrays = _read_init_file(session, pin)
+  state = state.replace(params=init_from_lib.load_params(state.params, arrays))
+  session.file_frozen = {n: x for n, x in arrays.items() if n in session.frozen_params}
+  fresh = [n for n in model_lib.parameter_names(session.trainer.config.model) if n not in arrays]
+  return state, {
+      'path': pin['path'], 'sha256': pin['sha256'], 'loaded': list(arrays), 'fresh_init': fresh,
+      'frozen': list(session.frozen_params), 'not_checkpointed': list(session.file_frozen)
+  }
+
+
+def _report_init_from(runlog: RunLog, step: int, fields: dict[str, Any]) -> None:
+  """One `init_from` event and a log line or three: what came from the file, what did not."""
+  runlog.event('init_from', step=step, **fields)
+  if 'read' in fields:
+    logging.info('read %d frozen parameter(s) the checkpoint does not hold from init_from %s: %s',
+                 len(fields['read']), fields['path'], ', '.join(fields['read']))
+    return
+  loaded, fresh = fields['loaded'], fields['fresh_init']
+  logging.info('initialized %d of %d parameters from init_from %s (sha256 %s)', len(loaded),
+               len(loaded) + len(fresh), fields['path'], fields['sha256'][:12])
+  if fresh:
+    logging.info('not in init_from, fresh init: %s', ', '.join(fresh))
+  if fields['not_checkpointed']:
+    logging.info('frozen and read from init_from on every resume, not checkpointed: %s',
+                 ', '.join(fields['not_checkpointed']))
+
+
+def _start_bandit(session: Session, saved: dict | None) -> bandit_lib.Bandit:
+  """The bandit for this start: restored, fitted to the config's sources and the phase."""
+  config, arms = session.trainer.config, session.dataset.names
+  phase = phases.current_phase(session.workdir)
+  if saved is None:
+    return bandit_lib.Bandit(config.bandit, arms, config.seed, bandit_lib.fresh_state(arms, phase))
+  state, dropped, added, reset = bandit_lib.reconcile(saved, arms, phase)
+  if reset:
+    session.runlog.event('bandit_reset', phase=phase, reason='pivot')
+    logging.info('phase %d: a fresh bandit over %s', phase, ', '.join(arms))
+  if dropped:
+    # The zombie-arm guard: a source that left the config can never be sampled again.
+    session.runlog.event('bandit_arms_dropped', arms=dropped)
+    logging.warning('dropped bandit arm(s) whose data source is no longer configured: %s',
+                    ', '.join(dropped))
+  if added:
+    session.runlog.event('bandit_arms_added', arms=added)
+    logging.info('new data source(s) joined the bandit: %s', ', '.join(added))
+  return bandit_lib.Bandit(config.bandit, arms, config.seed, state)
