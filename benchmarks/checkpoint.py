@@ -42,7 +42,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import baselines
+from benchmarks import baselines, format1
 from benchmarks.common import OtherLoad, RESULTS_DIR, peak_rss_during, plot_bars, print_table, \
     write_results
 from benchmarks.states import as_numpy, train_state
@@ -201,13 +201,14 @@ def _targets(config: str, rows: list[dict], variant: str) -> list[dict]:
   disk = max(disks, key=lambda r: r['gbps']) if disks else None
   specs = [
       # metric, our op, the limit's (name, op) or row, ratio kind, bound, peers' rows
-      ('blocking (steady state)', 'save-blocking', ('host-copy', 'touched'), 'time', 1.2,
+      # Wave 2's bounds for the steady state (DESIGN.md); the first save keeps wave 1's.
+      ('blocking (steady state)', 'save-blocking', ('host-copy', 'touched'), 'time', 1.0,
        PEER_BLOCKING),
       ('blocking (first save)', 'save-blocking-first', ('host-copy', 'fresh'), 'time', 1.2,
        PEER_BLOCKING),
-      ('committed save (steady state)', 'save-committed', disk, 'rate', 0.8, PEER_SAVE),
+      ('committed save (steady state)', 'save-committed', disk, 'rate', 0.95, PEER_SAVE),
       ('committed save (first save)', 'save-committed-first', disk, 'rate', 0.8, PEER_SAVE),
-      ('restore, cold (verifies CRCs)', 'restore', ('disk-read', 'read'), 'rate', 0.8,
+      ('restore, cold (verifies CRCs)', 'restore', ('disk-read', 'read'), 'rate', 0.95,
        PEER_RESTORE),
       ('restore, cold, no CRC pass (diagnostic)', 'restore-noverify', ('disk-read', 'read'), 'rate',
        0.8, PEER_RESTORE),
@@ -271,7 +272,10 @@ def run_config(config: str, repeats: int, steady: int, scratch_root: str,
           numpy_state,
           scratch,
           repeats,
-          extra=[jaxckpt_contender(trainer, state, steady, storage) for storage in storages])
+          extra=[
+              *format1.FORMATS,
+              *(jaxckpt_contender(trainer, state, steady, storage) for storage in storages)
+          ])
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
   n_params = sum(x.size for x in jax.tree.leaves(state.params))

@@ -70,7 +70,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.mode = 'auto'  # async | sync | auto (async when a host copy fits in memory)
   config.checkpoint.keep = 3  # newest checkpoints kept (0: all)
   config.checkpoint.keep_every = 0  # steps divisible by this are kept forever (0: off)
-  config.checkpoint.storage = 'auto'  # raw: one flat file, O_DIRECT; orbax; auto: raw on 1 process
+  config.checkpoint.storage = 'auto'  # safetensors (one file, disk speed) | orbax; auto: by processes
 
   # Exports under <workdir>/exports/, written from a checkpoint's host copy after it commits.
   config.export = ml_collections.ConfigDict()

@@ -97,7 +97,8 @@ def start(session: Session, resume: str, resume_dir: Path | None) -> tuple[Train
     try:
       return _start_from(session, resume_dir)
     except CheckpointError as e:
-      if resume != 'latest' or resume_dir is None or e.code != 'E-CKPT-003':
+      # Damage found while reading: data that fails its checksum, a state file whose header lies.
+      if resume != 'latest' or resume_dir is None or e.code not in ('E-CKPT-003', 'E-CKPT-012'):
         raise
       logging.warning('passing over %s: %s', resume_dir, e.what)
       known_bad[resume_dir] = e.what

@@ -128,8 +128,13 @@ def wait_for(predicate,
 
 
 def read_arrays(step_dir) -> dict[str, np.ndarray]:
-  """Every array of a checkpoint, read without jaxckpt: numpy for the raw store, else orbax."""
+  """Every array of a checkpoint, read without jaxckpt: `safetensors.numpy` for the state file,
+  numpy for the first format (arrays.bin + index.json), else orbax."""
   state = Path(step_dir) / 'state'
+  files = sorted(state.glob('*.safetensors'))
+  if files:
+    from safetensors.numpy import load_file
+    return {k: v for f in files for k, v in load_file(f).items()}
   if (state / 'index.json').exists():
     index = json.loads((state / 'index.json').read_text())['arrays']
     return {
@@ -173,12 +178,21 @@ def losses(workdir) -> dict[int, float]:
   return {step: row['loss'] for step, row in read_loss_history(workdir).items()}
 
 
+def state_file(step_dir) -> Path:
+  """The single state file of a checkpoint: `state/*.safetensors` (or the first format's)."""
+  state = Path(step_dir) / 'state'
+  return next(iter(sorted(state.glob('*.safetensors'))), state / 'arrays.bin')
+
+
 def flip_a_data_byte(step_dir) -> None:
-  """Damage a raw-store checkpoint the way a bad disk would: same size, one bit different."""
-  with open(Path(step_dir) / 'state' / 'arrays.bin', 'r+b') as f:
-    f.seek(5000)
+  """Damage a checkpoint's tensor data the way a bad disk would: same size, one bit different."""
+  path = state_file(step_dir)
+  with open(path, 'r+b') as f:
+    # 5000 bytes into the data: past a safetensors file's header (its first 8 bytes + length).
+    at = 5000 + (8 + int.from_bytes(f.read(8), 'little') if path.suffix == '.safetensors' else 0)
+    f.seek(at)
     byte = f.read(1)
-    f.seek(5000)
+    f.seek(at)
     f.write(bytes([byte[0] ^ 0x10]))
 
 

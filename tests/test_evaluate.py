@@ -16,7 +16,7 @@ from conftest import (REPO, TINY, abstract, committed_steps, jaxckpt_cli, make_s
                       subprocess_env)
 from jaxckpt import cli, evaluate, identity
 from jaxckpt.checkpoint import CheckpointManager, layout, manifest
-from jaxckpt.errors import ConfigError
+from jaxckpt.errors import CheckpointError, ConfigError
 from jaxckpt import provenance
 from jaxckpt import workdir as workdir_lib
 
@@ -58,9 +58,9 @@ def test_restoring_the_params_needs_no_optimizer_bytes(mesh, tmp_path):
   restored, _ = mgr.restore(1, {'params': abstract(state['params'])}, only=is_params)
   assert np.asarray(restored['params']['w']).tobytes() == \
       np.asarray(state['params']['w']).tobytes()
-  # The whole state does need them. The raw store looks each wanted tensor up in its index: a
-  # manifest listing tensors the index lacks (only a hand edit, re-sealed, makes one) fails there.
-  with pytest.raises(KeyError, match="'opt_state/"):
+  # The whole state does need them: a manifest listing tensors the state file lacks (only a hand
+  # edit, re-sealed, makes one) is a one-line error naming the file and the tensors.
+  with pytest.raises(CheckpointError, match='E-CKPT-012.*process_0.safetensors.*opt_state/'):
     mgr.restore(1, abstract(state))
 
 

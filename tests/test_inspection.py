@@ -235,9 +235,13 @@ def test_verify_an_intact_run_and_checkpoint(pristine, capsys):
 
 
 def _state_files(step_dir: Path) -> dict[str, str]:
-  """The checkpoint's file of each kind, for the raw store (the default) and for orbax."""
+  """The checkpoint's file of each kind: the safetensors state file (the default; its header is
+  its metadata), the first format's arrays.bin and index.json, or orbax's files."""
   files = manifest.read(step_dir)['files']
-  if 'state/arrays.bin' in files:
+  safetensors = [f for f in files if f.endswith('.safetensors')]
+  if safetensors:
+    data = metadata = safetensors[0]
+  elif 'state/arrays.bin' in files:
     data, metadata = 'state/arrays.bin', 'state/index.json'
   else:
     data = max((f for f in files if f.startswith('state/') and '/d/' in f),
@@ -249,15 +253,17 @@ def _state_files(step_dir: Path) -> dict[str, str]:
   }
 
 
-def _corrupt(path: Path, how: str) -> None:
+def _corrupt(path: Path, how: str, *, header: bool = False) -> None:
+  """Damage a file; `header`: a safetensors file's header (its metadata) rather than its data."""
   if how == 'deleted':
     path.unlink()
     return
   data = bytearray(path.read_bytes())
+  at = 8 + 40 if header else len(data) // 2  # inside the JSON header, or the middle of the file
   if how == 'truncated':
-    data = data[:len(data) // 2]
-  else:  # one bit flipped, in the middle of the file
-    data[len(data) // 2] ^= 0x04
+    data = data[:at]
+  else:  # one bit flipped
+    data[at] ^= 0x04
   path.write_bytes(bytes(data))
 
 
@@ -269,7 +275,7 @@ def test_corruption_matrix(pristine, tmp_path, capsys, kind, how):
   root = workdir / 'checkpoints'
   newest, previous = root / STEP_20, root / STEP_10
   rel = _state_files(newest)[kind]
-  _corrupt(newest / rel, how)
+  _corrupt(newest / rel, how, header=kind == 'state metadata' and rel.endswith('.safetensors'))
 
   code, out, err = call_cli(['verify', str(newest)], capsys)
   assert code == 1 and not err, err
@@ -302,7 +308,8 @@ def test_corruption_matrix(pristine, tmp_path, capsys, kind, how):
   with pytest.raises(CheckpointError) as e:
     mgr.restore(newest, target)
   unreadable = kind == 'manifest' and e.value.code == 'E-CKPT-004'  # no longer parses, or gone
-  assert e.value.code == 'E-CKPT-003' or unreadable, e.value.line()
+  bad_header = kind == 'state metadata' and e.value.code == 'E-CKPT-012'  # the header lies
+  assert e.value.code == 'E-CKPT-003' or unreadable or bad_header, e.value.line()
   assert Path(rel).name in e.value.what  # it names the damaged file
 
 

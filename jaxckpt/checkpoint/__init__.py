@@ -6,9 +6,12 @@ use, so light tools can read manifests through `manifest`, `layout` and `discove
 paying for jax.
 
     manager     CheckpointManager: async save, atomic commit, retention, restore
+    formats     which state format a checkpoint holds (safetensors, the first raw format, orbax)
     options     CheckpointOptions (cadence, mode, retention) and CommitInfo (what a commit cost)
-    staging     the device -> host copy a save waits for
-    rawstore    one flat O_DIRECT file per checkpoint (one process); orbaxstore across processes
+    staging     the device -> host copy a save waits for, into one page-aligned region
+    statefile   the state as one safetensors file, O_DIRECT (one process); orbaxstore: across
+                processes; rawstore: reads the first format (arrays.bin + index.json)
+    directio    aligned buffers and O_DIRECT I/O with its fallbacks
     manifest    the commit marker: every file's size and CRC-32, the tensor table, its seal
     layout      names on disk, committed steps, debris;  atomic: durable writes and swaps
     discovery   the newest intact checkpoint; checking one while a live run changes it

@@ -30,14 +30,13 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from . import atomic, layout, manifest, orbaxstore, rawstore
+from . import atomic, layout, manifest, orbaxstore, statefile
+from .formats import SAFETENSORS, data_file, read_state_file
 from .policy import RetentionPolicy, SavePolicy
 from .staging import HostStager, Unstaged, available_host_memory, choose_mode
 from .tree import avals, check_fits, named_leaves, tensor_table
 from .errors import CheckpointError
 from .options import CheckpointOptions, CommitInfo
-
-RAW_DATA = f'{layout.STATE_DIR}/{rawstore.DATA}'  # the raw store's data file, in a manifest
 
 _log = logging.getLogger(__name__)
 
@@ -204,11 +203,11 @@ class CheckpointManager:
       tmp.mkdir(parents=False)
       storage = self._storage()
       known = {}
-      if storage == 'raw':
-        known = {
-            f'{layout.STATE_DIR}/{k}': v
-            for k, v in rawstore.write(tmp / layout.STATE_DIR, staged).items()
-        }
+      if storage == SAFETENSORS:  # one file, straight from the staging region
+        region = None if isinstance(staged, Unstaged) else self._stager.region
+        written, crcs = statefile.write(tmp / layout.STATE_DIR, staged, region=region)
+        known = {f'{layout.STATE_DIR}/{k}': v for k, v in written.items()}
+        table = [{**row, 'crc32': crcs[row['name']]} for row in table]
       else:
         orbaxstore.save(tmp / layout.STATE_DIR, staged)
       metadata = {**metadata, 'storage': storage}
@@ -257,7 +256,7 @@ class CheckpointManager:
   def _storage(self) -> str:
     if self.options.storage != 'auto':
       return self.options.storage
-    return 'raw' if jax.process_count() == 1 else 'orbax'
+    return SAFETENSORS if jax.process_count() == 1 else 'orbax'
 
   def _apply_retention(self) -> tuple[list[int], list[str]]:
     """Delete what retention lets go; only ever called right after a commit.
@@ -323,13 +322,13 @@ class CheckpointManager:
     """
     step_dir = self._resolve(step_or_dir)
     meta = manifest.read(step_dir)
-    raw = meta.get('storage') == 'raw'
+    single = data_file(meta)
     checksums = verify and self.options.verify_checksums
     if verify:
-      # The raw data file's CRC is checked while it is read below (array by array when `only`
+      # The state file's CRC is checked while it is read below (tensor by tensor when `only`
       # picks a subset): one pass over the data, not two.
       _, problems = manifest.audit(
-          step_dir, meta, checksums=checksums, skip_checksum=[RAW_DATA] if raw else [])
+          step_dir, meta, checksums=checksums, skip_checksum=[single] if single else [])
       if problems:
         raise CheckpointError(
             'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +
@@ -338,7 +337,7 @@ class CheckpointManager:
     want = named_leaves(target)
     saved = {t['name']: t for t in meta['tensors'] if only is None or only(t['name'])}
     check_fits(step_dir, saved, want)
-    if raw:
+    if single:
 
       def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         # Each run of arrays as soon as it is read, overlapping the next reads; one batched call
@@ -346,12 +345,9 @@ class CheckpointManager:
         return dict(
             zip(arrays, jax.device_put(list(arrays.values()), [want[n].sharding for n in arrays])))
 
-      restored = rawstore.read(
-          step_dir / layout.STATE_DIR,
-          list(want),
-          place=place,
-          expect_crc32=meta['files'][RAW_DATA]['crc32'] if checksums else None,
-          direct=verify)  # unverified: the caller's check just read the file
+      restored = read_state_file(
+          step_dir, meta, list(want), checksums=checksums, place=place,
+          direct=verify)  # unverified: the caller's check just read it
     else:
       restored = orbaxstore.restore(step_dir / layout.STATE_DIR, want, partial=only is not None)
     leaves = [restored[n] for n in want]
@@ -376,16 +372,3 @@ def _replace(tmp: Path, final: Path, sealed: bytes) -> None:
   atomic.write_file_durably(tmp / layout.MANIFEST, sealed)
   atomic.publish_dir(tmp, final)
   atomic.fsync_dir(final.parent)
-
-
-def read_host_arrays(step_dir: os.PathLike) -> dict[str, np.ndarray]:
-  """Every array of a committed checkpoint as host numpy, whatever wrote it; no devices used.
-
-  Raw-store data is checked against the manifest's CRC as it is read (E-CKPT-003 on a mismatch),
-  so a caller verifying the other files can skip `RAW_DATA`: one pass over it.
-  """
-  step_dir = Path(step_dir).absolute()
-  meta = manifest.read(step_dir)
-  if meta.get('storage') == 'raw':
-    return rawstore.read(step_dir / layout.STATE_DIR, expect_crc32=meta['files'][RAW_DATA]['crc32'])
-  return orbaxstore.read_host(step_dir / layout.STATE_DIR, [t['name'] for t in meta['tensors']])

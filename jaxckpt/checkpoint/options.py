@@ -14,31 +14,37 @@ from .errors import ArgumentError
 
 MODES = ('auto', 'async', 'sync')
 
-STORAGES = ('auto', 'raw', 'orbax')
+STORAGES = ('auto', 'safetensors', 'orbax')
+_ALIASES = {'raw': 'safetensors'}  # the name of jaxckpt's single-file store before safetensors
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
-  """How and when a manager saves. Zero turns a cadence or retention rule off."""
+  """How and when a manager saves. Zero turns a cadence or retention rule off.
+
+  mode: async stages the state to host memory and writes it in the background; sync writes
+    inline; auto is async when host memory has room for a staged copy, else it writes inline
+    from the arrays themselves, holding no staged copy.
+  storage: safetensors is one safetensors file at disk speed (`statefile`); orbax is
+    orbax-checkpoint's tensorstore files; auto is safetensors when one process holds every
+    array, orbax across processes.
+  """
   every_steps: int = 0  # save when step % every_steps == 0
   every_secs: float = 0.0  # save when this many seconds passed since the last save
-  mode: str = 'auto'  # async: stage then write in the background; sync: write inline;
-  # auto: async when host memory has room for a staged copy, else
-  # write inline from the arrays themselves (no staged copy)
+  mode: str = 'auto'  # auto | async | sync
   keep: int = 3  # newest checkpoints kept (0 keeps all)
   keep_every: int = 0  # steps divisible by this are kept forever
   verify_checksums: bool = True  # check every file's CRC before restoring it
-  storage: str = 'auto'  # raw: jaxckpt's flat file; orbax: tensorstore; auto: raw when
-
-  # one process holds every array, orbax across processes
+  storage: str = 'auto'  # auto | safetensors | orbax
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise ArgumentError('E-CONFIG-004', f'checkpoint mode {self.mode!r} is not one of '
                           f'{MODES}', 'use auto, async or sync')
+    object.__setattr__(self, 'storage', _ALIASES.get(self.storage, self.storage))
     if self.storage not in STORAGES:
       raise ArgumentError('E-CONFIG-004', f'checkpoint storage {self.storage!r} is not one of '
-                          f'{STORAGES}', 'use auto, raw or orbax')
+                          f'{STORAGES}', 'use auto, safetensors or orbax')
     for field in ('every_steps', 'every_secs', 'keep', 'keep_every'):
       if getattr(self, field) < 0:
         raise ArgumentError('E-CONFIG-004', f'checkpoint {field}={getattr(self, field)} is '

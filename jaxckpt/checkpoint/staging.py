@@ -18,7 +18,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from . import rawstore
+from . import statefile
+from .directio import ALIGN, aligned_empty, padded
 from .errors import CheckpointError
 
 # Waking the helper costs ~1-3 ms on this VM (an idle vCPU), while splitting saves a quarter of a
@@ -27,29 +28,34 @@ _SPLIT_MIN_BYTES = 128 << 20
 
 
 class HostStager:
-  """Copies named arrays into host buffers it owns (one staged copy of the state at a time)."""
+  """Copies named arrays into one host buffer it owns (one staged copy of the state at a time).
+
+  The buffer (`region`) is page-aligned and laid out as the state file's data region
+  (`statefile.plan`): the writer sends it to disk as it is, with O_DIRECT. It is kept while the
+  layout stays the same, which in a training run is always.
+  """
 
   def __init__(self):
-    self._buffers: dict[str, np.ndarray] = {}
+    self.region: np.ndarray | None = None
+    self._plan: statefile.Plan | None = None
+    self._views: dict[str, np.ndarray] = {}
     self._helper: concurrent.futures.ThreadPoolExecutor | None = None
 
   def stage(self, leaves: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """Copy `leaves` into the region; returns {name: the host array (a view of the region)}."""
     for name, x in leaves.items():
       if isinstance(x, jax.Array):
         if not x.is_fully_addressable:
           raise CheckpointError('E-CKPT-007', f'{name} is not fully addressable from this '
                                 'process', 'multi-process saving needs a process-local writer')
         x.copy_to_host_async()  # start every transfer before waiting on any
-    for name in set(self._buffers) - set(leaves):
-      del self._buffers[name]
+    self._lay_out(statefile.plan(leaves))
     sizes = {name: x.nbytes for name, x in leaves.items()}
     if sum(sizes.values()) < _SPLIT_MIN_BYTES:
       self._copy(leaves, [(name, 0, None) for name in leaves])
     else:
       first, second = _halves(sizes,
                               {name: np.dtype(x.dtype).itemsize for name, x in leaves.items()})
-      if first and second and first[-1][0] == second[0][0]:  # one leaf shared by both threads
-        self._buffer(first[-1][0], np.asarray(leaves[first[-1][0]]))
       if self._helper is None:
         self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-stage')
       helper = self._helper.submit(self._copy, leaves, second)
@@ -57,31 +63,36 @@ class HostStager:
         self._copy(leaves, first)
       finally:
         helper.result()
-    return {name: self._buffers[name] for name in leaves}
+    return {name: self._views[name] for name in leaves}
 
-  def _buffer(self, name: str, src: np.ndarray) -> np.ndarray:
-    buf = self._buffers.get(name)
-    if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-      # Page-aligned and zero-padded: the raw store writes it to disk with O_DIRECT as is.
-      buf = self._buffers[name] = rawstore.aligned_empty(src.shape, src.dtype)
-    return buf
+  def _lay_out(self, plan: statefile.Plan) -> None:
+    if plan is self._plan:
+      return
+    size = max(padded(plan.data_len), ALIGN)
+    if self.region is None or len(self.region) != size:
+      # Fresh pages: the tail past the data stays zero, the O_DIRECT padding of the last chunk.
+      self.region = aligned_empty((size,), np.uint8)
+    self._plan = plan
+    self._views = {}
+    for name in plan.names:
+      b, e = plan.offsets[name]
+      self._views[name] = self.region[b:e].view(plan.dtypes[name]).reshape(plan.shapes[name])
 
   def _copy(self, leaves: Mapping[str, Any], pieces: list[tuple[str, int, int | None]]) -> None:
     """Copies elements [lo, hi) of each named leaf, flat (hi None: to the end)."""
     for name, lo, hi in pieces:
-      src = np.asarray(leaves[name])
-      buf = self._buffer(name, src)
+      src, dst = np.asarray(leaves[name]), self._views[name]
       if hi is None and not lo:
-        np.copyto(buf, src)
+        np.copyto(dst, src)
       else:
-        np.copyto(buf.reshape(-1)[lo:hi], src.reshape(-1)[lo:hi])
+        np.copyto(dst.reshape(-1)[lo:hi], src.reshape(-1)[lo:hi])
 
   def nbytes(self) -> int:
-    return sum(b.nbytes for b in self._buffers.values())
+    return 0 if self.region is None else len(self.region)
 
   def release(self) -> None:
-    """Let the staged buffers go (a save that writes without a staged copy does not need them)."""
-    self._buffers.clear()
+    """Let the staged buffer go (a save that writes without a staged copy does not need it)."""
+    self.region, self._plan, self._views = None, None, {}
 
   def close(self) -> None:
     if self._helper is not None:

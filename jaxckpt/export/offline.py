@@ -25,7 +25,7 @@ import numpy as np
 from jaxckpt import identity, names
 from jaxckpt import model as model_lib
 from jaxckpt.checkpoint import layout, manifest
-from jaxckpt.checkpoint.manager import RAW_DATA, read_host_arrays
+from jaxckpt.checkpoint.formats import data_file, read_host_arrays
 from jaxckpt.errors import CheckpointError, UsageError
 from jaxckpt.export import flatbin, hf, safetensors_io
 
@@ -96,7 +96,7 @@ def _read_manifest(step_dir: Path) -> dict[str, Any]:
         'directory with a manifest.json)', 'pass a checkpoints/step_<n> directory')
   meta = manifest.read(step_dir)
   # The raw store's data is checked against its checksum while `_read_arrays` reads it.
-  problems = manifest.file_problems(step_dir, meta, checksums=True, skip_checksum=[RAW_DATA])
+  problems = manifest.file_problems(step_dir, meta, checksums=True, skip_checksum=[data_file(meta)])
   if problems:
     raise _damaged(step_dir, problems[0])
   return meta
