@@ -225,13 +225,20 @@ def test_write_bin_refuses_more_params_than_int32(tmp_path):
   assert not os.listdir(tmp_path)
 
 
-# ------------------------------------------------------------------------ killed mid-export
+# --------------------------------------------------------------- killed before publishing
 _WRITER = """
-import sys
+import os, sys, time
 import numpy as np
 from jaxckpt import model as model_lib
 from jaxckpt.export import flatbin, hf
-kind, out = sys.argv[1], sys.argv[2]
+kind, out, marker = sys.argv[1], sys.argv[2], sys.argv[3]
+real_fsync = os.fsync
+def fsync_then_wait(fd):  # the big file is written, not yet renamed: tell the test, and wait
+  real_fsync(fd)
+  if os.path.getsize(os.readlink(f'/proc/self/fd/{fd}')) > (1 << 20):
+    open(marker, 'w').close()
+    time.sleep(120)
+os.fsync = fsync_then_wait
 if kind == 'bin':  # 8 + 3 * 64 MiB
   a = np.ones(1 << 24, np.float32)
   flatbin.write_bin(out, 1, {'w': a}, {'w': a}, {'w': a})
@@ -244,25 +251,26 @@ else:  # one 2048-wide layer: ~200 MB of weights
 
 
 @pytest.mark.parametrize('kind', ['bin', 'hf'])
-def test_an_export_killed_half_way_leaves_nothing_under_its_final_name(tmp_path, kind):
+def test_an_export_killed_before_publishing_leaves_nothing_under_its_name(tmp_path, kind):
   final = tmp_path / ('step_000001.bin' if kind == 'bin' else 'hf')
   if kind == 'hf':  # an earlier export is there and must survive intact
     final.mkdir()
     (final / 'config.json').write_text('old')
 
-  def writing() -> bool:  # the big temporary file has been created and is being filled
-    pattern = 'step_000001.bin.tmp-*' if kind == 'bin' else 'hf.tmp-*/model.safetensors.tmp-*'
-    return any(tmp_path.glob(pattern))
+  marker = tmp_path.parent / f'{tmp_path.name}.written'  # outside the directory under test
 
-  proc = subprocess.Popen(
-      [sys.executable, '-c', _WRITER, kind, str(final)],
-      cwd=REPO,
-      env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  def writing() -> bool:  # the big temporary file is written and about to be renamed
+    return marker.exists()
+
+  proc = subprocess.Popen([sys.executable, '-c', _WRITER, kind,
+                           str(final), str(marker)],
+                          cwd=REPO,
+                          env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
   deadline = time.monotonic() + 60
   while not writing():
     assert proc.poll() is None, f'the writer exited ({proc.returncode}) before being killed'
     assert time.monotonic() < deadline, 'the writer never started writing'
-    time.sleep(0.001)
+    time.sleep(0.05)
   proc.send_signal(signal.SIGKILL)
   assert proc.wait() == -signal.SIGKILL
 
