@@ -58,8 +58,9 @@ def checkpoint_options(config):
         mode=c.mode,
         keep=c.keep,
         keep_every=c.keep_every,
-        storage=c.storage)
+        storage=c.storage,
+        staging=c.get('staging', 'auto'))
   except ArgumentError as e:
     raise ConfigError(
-        e.code, e.what, 'set --checkpoint_every, --checkpoint_secs, '
-        '--checkpoint_mode, --keep, --keep_every or --config.checkpoint.*') from None
+        e.code, e.what, 'set --checkpoint_every, --checkpoint_secs, --checkpoint_mode, '
+        '--checkpoint_staging, --keep, --keep_every or --config.checkpoint.*') from None

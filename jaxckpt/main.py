@@ -28,6 +28,10 @@ flags.DEFINE_integer('checkpoint_every', None, 'Steps between checkpoints (0: of
 flags.DEFINE_float('checkpoint_secs', None, 'Seconds between checkpoints (0: off).')
 flags.DEFINE_enum('checkpoint_mode', None, ['auto', 'async', 'sync'],
                   'How checkpoints are written.')
+flags.DEFINE_enum(
+    'checkpoint_staging', None, ['auto', 'host', 'device'],
+    'Where save() copies the state first: host memory, or the devices (a second '
+    'copy in device memory; the copy to host runs in the background).')
 flags.DEFINE_integer('keep', None, 'Newest checkpoints to keep (0: all).')
 flags.DEFINE_integer('keep_every', None, 'Keep every checkpoint whose step is divisible by this.')
 flags.DEFINE_bool(
@@ -46,6 +50,7 @@ FLAG_FIELDS = {
     'checkpoint_every': 'checkpoint.every',
     'checkpoint_secs': 'checkpoint.secs',
     'checkpoint_mode': 'checkpoint.mode',
+    'checkpoint_staging': 'checkpoint.staging',
     'keep': 'checkpoint.keep',
     'keep_every': 'checkpoint.keep_every',
     'guard_finite': 'train.guard_finite',

@@ -132,7 +132,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           bytes=info.bytes,
           seconds_blocked=round(info.seconds_blocked, 6),
           seconds_to_commit=round(info.seconds_to_commit, 6),
-          deleted=list(info.deleted))
+          deleted=list(info.deleted),
+          staging=info.staging)
       if info.retention_errors:
         runlog.event('retention_failed', step=info.step, problems=list(info.retention_errors))
       runlog.status(last_checkpoint=info.step, last_checkpoint_path=str(info.path))

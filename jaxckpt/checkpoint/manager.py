@@ -33,7 +33,8 @@ import numpy as np
 from . import atomic, layout, manifest, orbaxstore, statefile
 from .formats import SAFETENSORS, data_file, read_state_file
 from .policy import RetentionPolicy, SavePolicy
-from .staging import HostStager, Unstaged, available_host_memory, choose_mode
+from .staging import (DeviceSnapshot, HostStager, Unstaged, available_host_memory, choose_mode,
+                      choose_staging)
 from .tree import avals, check_fits, named_leaves, tensor_table
 from .errors import CheckpointError
 from .options import CheckpointOptions, CommitInfo
@@ -74,6 +75,7 @@ class CheckpointManager:
     self._last_save_time = clock()
     self.removed_debris: list[Path] = []
     self.mode_used: str | None = None  # the mode the last save ran in ('async' or 'sync')
+    self.staging_used: str | None = None  # where it staged the state first ('host', 'device')
     if writer:
       self.directory.mkdir(parents=True, exist_ok=True)
       self.removed_debris = layout.remove_debris(self.directory)
@@ -156,9 +158,15 @@ class CheckpointManager:
     # arrays themselves may be donated to the next train step by then).
     shapes = (avals(leaves), avals(left_out))
     self.mode_used = mode = self._mode(leaves)
+    self.staging_used = 'host'
     if mode == 'sync' and self.options.mode == 'auto':
       self._stager.release()  # short of memory: write from the arrays, hold no staged copy
       staged = Unstaged(leaves)
+    elif mode == 'async' and choose_staging(self.options.staging, leaves) == 'device':
+      # A second copy on the devices, which the next step cannot donate away: the loop waits
+      # only for it to be enqueued; the writer copies it to host memory, then lets it go.
+      self.staging_used = 'device'
+      staged = DeviceSnapshot(leaves)
     else:
       staged = self._stager.stage(leaves)
     blocked = time.perf_counter() - t0
@@ -196,6 +204,9 @@ class CheckpointManager:
   def _write(self, step, staged, shapes, run_state_json, metadata, t0, blocked) -> None:
     tmp = layout.temporary_dir(self.directory, step)
     try:
+      staging = 'device' if isinstance(staged, DeviceSnapshot) else 'host'
+      if staging == 'device':
+        staged = staged.to_host(self._stager)
       saved, left_out = shapes
       table = tensor_table(saved)
       if left_out:
@@ -242,6 +253,7 @@ class CheckpointManager:
         committed - t0,
         tuple(deleted),
         tuple(retention_errors),
+        staging,
         staged=staged)
     try:
       self._on_commit(info)

@@ -15,6 +15,7 @@ from .errors import ArgumentError
 MODES = ('auto', 'async', 'sync')
 
 STORAGES = ('auto', 'safetensors', 'orbax')
+STAGINGS = ('auto', 'host', 'device')
 _ALIASES = {'raw': 'safetensors'}  # the name of jaxckpt's single-file store before safetensors
 
 
@@ -25,6 +26,10 @@ class CheckpointOptions:
   mode: async stages the state to host memory and writes it in the background; sync writes
     inline; auto is async when host memory has room for a staged copy, else it writes inline
     from the arrays themselves, holding no staged copy.
+  staging: host copies the state to host memory before `save` returns; device copies it on the
+    devices (the loop waits for that alone) and to host memory in the background, at the cost of
+    a second copy of the state in device memory while the save is in flight; auto is device when
+    the devices report room for that twice over, else host (always host on a CPU).
   storage: safetensors is one safetensors file at disk speed (`statefile`); orbax is
     orbax-checkpoint's tensorstore files; auto is safetensors when one process holds every
     array, orbax across processes.
@@ -36,6 +41,7 @@ class CheckpointOptions:
   keep_every: int = 0  # steps divisible by this are kept forever
   verify_checksums: bool = True  # check every file's CRC before restoring it
   storage: str = 'auto'  # auto | safetensors | orbax
+  staging: str = 'auto'  # auto | host | device
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -45,6 +51,9 @@ class CheckpointOptions:
     if self.storage not in STORAGES:
       raise ArgumentError('E-CONFIG-004', f'checkpoint storage {self.storage!r} is not one of '
                           f'{STORAGES}', 'use auto, safetensors or orbax')
+    if self.staging not in STAGINGS:
+      raise ArgumentError('E-CONFIG-004', f'checkpoint staging {self.staging!r} is not one of '
+                          f'{STAGINGS}', 'use auto, host or device')
     for field in ('every_steps', 'every_secs', 'keep', 'keep_every'):
       if getattr(self, field) < 0:
         raise ArgumentError('E-CONFIG-004', f'checkpoint {field}={getattr(self, field)} is '
@@ -64,6 +73,7 @@ class CommitInfo:
   # commit stands; the next commit tries again, and the next writer's start removes half-deleted
   # ones as debris.
   retention_errors: tuple[str, ...] = ()
+  staging: str = 'host'  # where the state was copied first: host memory, or the devices
   # The host copy that was just written, by leaf name ('params/h/0/attn/c_attn/kernel', ...).
   # IMPORTANT: valid only until the next save starts (it reuses these buffers). The next save
   # waits for the callback, so reading them inside it (e.g. to export) is safe; keep no reference.

@@ -1,5 +1,12 @@
 """The device -> host copy: the only part of an async save the training loop waits for.
 
+Or, with staging `device`, not even that: a second copy of the state on the devices themselves
+(`DeviceSnapshot`, a device-to-device copy the next step cannot donate away) is all the loop
+waits for, and the writer thread copies it to host memory afterwards and frees it. That costs one
+more copy of the state in device memory while a save is in flight; `auto` takes it only when
+every device has room for it twice over, by the device's own memory statistics (a CPU reports
+none: host staging there).
+
 The copy must be real: on CPU `np.asarray(jax_array)` aliases the XLA buffer, and a donated train
 state is overwritten by the next step while the background write still reads it. Buffers are kept
 and reused from one save to the next, because freshly allocated pages cost 10-20x more to touch
@@ -13,6 +20,7 @@ saturate memory bandwidth: for andrea_120m two take 88 ms where one takes 111 ms
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from typing import Any, Mapping
 
 import jax
@@ -163,3 +171,46 @@ class Unstaged(Mapping[str, np.ndarray]):
 
   def __len__(self) -> int:
     return len(self._leaves)
+
+
+def choose_staging(staging: str, leaves: Mapping[str, Any]) -> str:
+  """Where a save stages `leaves` first: 'host' or 'device' (see the module docstring)."""
+  if staging == 'host' or not leaves or not all(isinstance(x, jax.Array) for x in leaves.values()):
+    return 'host'
+  if staging == 'device':
+    return 'device'
+  need: dict[Any, int] = {}  # bytes a second copy takes on each device
+  for x in leaves.values():
+    shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+    for device in x.sharding.addressable_devices:
+      need[device] = need.get(device, 0) + shard
+  return 'device' if all(device_has_room(d, 2 * n) for d, n in need.items()) else 'host'
+
+
+def device_has_room(device, nbytes: int) -> bool:
+  """Whether `device` reports at least `nbytes` free; False when it reports nothing (a CPU)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except  # backends without statistics raise
+    return False
+  if not stats or 'bytes_limit' not in stats:
+    return False
+  return stats['bytes_limit'] - stats.get('bytes_in_use', 0) >= nbytes
+
+
+class DeviceSnapshot:
+  """A copy of the state on its own devices, taken without waiting for the host."""
+
+  def __init__(self, leaves: Mapping[str, Any]):
+    names = list(leaves)
+    copies = jax.device_put([leaves[n] for n in names], [leaves[n].sharding for n in names],
+                            may_alias=False)
+    self.leaves = dict(zip(names, copies))
+
+  def to_host(self, stager: 'HostStager') -> dict[str, np.ndarray]:
+    """Stage the snapshot to host memory (on the writer thread) and free its device memory."""
+    staged = stager.stage(self.leaves)
+    for x in self.leaves.values():
+      x.delete()
+    self.leaves = {}
+    return staged

@@ -1,0 +1,295 @@
+"""Everything a machine with an accelerator should measure, in one run of under 9 minutes.
+
+    bash benchmarks/device_run.sh [OUT]        # installs what it can, then runs this
+    python -m benchmarks.device --out OUT      # this alone, in an environment that has jaxckpt's needs
+
+In order, each within its own time budget, each recorded (ok, failed with why, or skipped with
+why) in OUT/device.json as soon as it ends:
+
+1. device: what jax runs on (platform, device kind, memory statistics), the package versions.
+2. tests: the tests that exercise the device (`tests/test_device_staging.py`, the state file).
+3. train: andrea_120m for a few hundred steps with a checkpoint every 50 steps, then with
+   checkpoints off; tokens/s of each from the loss history's timestamps, after warm-up.
+4. resume: the same run SIGKILLed once step 100 is committed and started again; its final
+   checkpoint must equal the uninterrupted run's byte for byte (deterministic GPU ops on).
+5. blocking: what `save()` blocks for with host and with device staging, against a device-side
+   copy of the state, a device-to-host copy, and orbax's async save, in one process.
+
+Nothing here assumes a CPU; on one it runs too (slowly: pass --steps to shrink).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = str(REPO / 'configs' / 'andrea_120m.py')
+BUDGET_S = 540  # the whole run: under 9 minutes
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--out', default='device-results')
+  parser.add_argument('--steps', type=int, default=300, help='training steps per run')
+  parser.add_argument('--config', default=CONFIG)
+  args = parser.parse_args(argv)
+  out = Path(args.out).absolute()
+  out.mkdir(parents=True, exist_ok=True)
+  # This process holds the device too (steps 1 and 5): without this, jax would take 75% of an
+  # accelerator's memory at its first use and leave the trainers it starts too little.
+  os.environ.setdefault('XLA_PYTHON_CLIENT_PREALLOCATE', 'false')
+  env = dict(
+      os.environ,
+      PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+      JAX_COMPILATION_CACHE_DIR=str(out / 'jax-cache'),
+      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0')
+  # Bit-exact resume needs reductions that add in the same order every time.
+  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') + ' --xla_gpu_deterministic_ops=true').strip()
+  report = Report(out / 'device.json', time.monotonic() + BUDGET_S)
+  work = Path(tempfile.mkdtemp(prefix='jaxckpt-device-'))
+  try:
+    report.step('device', 20, describe_device)
+    report.step('tests', 120, run_tests, env, out)
+    runs = report.step('train', 200, train_on_off, env, work, args.config, args.steps)
+    report.step('resume', 150, kill_and_resume, env, work, args.config, args.steps, runs)
+    report.step('blocking', 120, blocking, args.config)
+  finally:
+    shutil.rmtree(work, ignore_errors=True)
+  report.table()
+  return 0 if all(r['status'] != 'failed' for r in report.results.values()) else 1
+
+
+class Report:
+  """Each step's result, written to JSON as soon as it ends; a step that cannot fit its budget
+  in the time left is skipped, and says so."""
+
+  def __init__(self, path: Path, deadline: float):
+    self.path, self.deadline, self.results = path, deadline, {}
+
+  def step(self, name: str, budget_s: float, fn, *args):
+    left = self.deadline - time.monotonic()
+    if left < budget_s * 0.5:
+      self.results[name] = {'status': 'skipped', 'why': f'{left:.0f} s left of the 9 minutes'}
+      self._write()
+      return None
+    t0 = time.monotonic()
+    print(f'== {name} (budget {budget_s} s)', flush=True)
+    try:
+      value = fn(*args)
+      self.results[name] = {'status': 'ok', 'seconds': time.monotonic() - t0, **(value or {})}
+      return value
+    except Skip as e:
+      self.results[name] = {'status': 'skipped', 'why': str(e)}
+    except Exception as e:  # pylint: disable=broad-except  # recorded; the next step still runs
+      self.results[name] = {
+          'status': 'failed', 'why': f'{type(e).__name__}: {e}',
+          'traceback': traceback.format_exc()[-3000:]
+      }
+    finally:
+      self._write()
+    return None
+
+  def _write(self) -> None:
+    self.path.write_text(json.dumps(self.results, indent=1, default=str))
+
+  def table(self) -> None:
+    print('\nstep      status   what')
+    for name, r in self.results.items():
+      shown = {k: v for k, v in r.items() if k not in ('status', 'traceback', 'seconds')}
+      print(f'{name:<9} {r["status"]:<8} {json.dumps(shown, default=str)[:300]}')
+    print(f'\nJSON: {self.path}')
+
+
+class Skip(Exception):
+  """A step that cannot run here, and why."""
+
+
+def describe_device() -> dict:
+  import importlib.metadata
+  import jax
+  device = jax.devices()[0]
+  versions = {}
+  for name in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'tensorstore', 'safetensors',
+               'ml-collections', 'isal', 'numpy'):
+    try:
+      versions[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      versions[name] = None
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except
+    stats = None
+  info = {
+      'platform': device.platform, 'device_kind': device.device_kind, 'devices': jax.device_count(),
+      'memory_stats': stats, 'versions': versions
+  }
+  print(json.dumps(info, indent=1, default=str), flush=True)
+  return info
+
+
+def run_tests(env: dict, out: Path) -> dict:
+  tests = ['tests/test_device_staging.py', 'tests/test_statefile.py']
+  r = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *tests],
+                     cwd=REPO,
+                     env=env,
+                     capture_output=True,
+                     text=True,
+                     timeout=300)
+  (out / 'tests.log').write_text(r.stdout + r.stderr)
+  summary = (r.stdout.strip().splitlines() or [''])[-1]
+  if r.returncode != 0:
+    raise RuntimeError(f'pytest exit {r.returncode}: {summary}')
+  return {'tests': tests, 'summary': summary}
+
+
+def cadence(steps: int) -> int:
+  """Steps between checkpoints: 50 for the default 300 steps."""
+  return max(1, steps // 6)
+
+
+def trainer_command(config: str, workdir: Path, steps: int, every: int, *extra: str) -> list[str]:
+  return [
+      sys.executable, '-m', 'jaxckpt.main', f'--config={config}', f'--workdir={workdir}',
+      f'--config.train.steps={steps}', f'--checkpoint_every={every}', '--keep=0',
+      '--config.train.log_every=25', '--config.samples.every=0', '--config.export.every=0', *extra
+  ]
+
+
+def tokens_per_second(workdir: Path, config: str, skip: int = 20) -> float:
+  """From the loss history's timestamps, leaving out the first steps (compilation)."""
+  from jaxckpt import provenance
+  from jaxckpt.runlog import read_loss_history
+  cfg = provenance.load_config_file(config)
+  rows = read_loss_history(workdir)
+  steps = sorted(rows)[skip:-1]  # the last step also waits for the final checkpoint
+  elapsed = rows[steps[-1]]['time'] - rows[steps[0]]['time']
+  return (steps[-1] - steps[0]) * cfg.train.batch_size * cfg.model.block_size / elapsed
+
+
+def train_on_off(env: dict, work: Path, config: str, steps: int) -> dict:
+  runs = {}
+  for name, every in (('on', cadence(steps)), ('off', 0)):
+    workdir = work / f'train-{name}'
+    r = subprocess.run(
+        trainer_command(config, workdir, steps, every),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400)
+    if r.returncode != 0:
+      raise RuntimeError(f'train ({name}) exit {r.returncode}: {r.stderr[-1500:]}')
+    runs[name] = {'workdir': str(workdir), 'tokens_per_s': tokens_per_second(workdir, config)}
+  ratio = runs['on']['tokens_per_s'] / runs['off']['tokens_per_s']
+  return {
+      'runs': runs, 'tokens_per_s_ratio_on_off': ratio, 'target': '>= 0.99', 'met': ratio >= 0.99
+  }
+
+
+def kill_and_resume(env: dict, work: Path, config: str, steps: int, runs: dict | None) -> dict:
+  if not runs:
+    raise Skip('needs the uninterrupted run of the train step')
+  workdir, kill_at = work / 'resume', 2 * cadence(steps)
+  command = trainer_command(config, workdir, steps, cadence(steps))
+  proc = subprocess.Popen(
+      command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  committed = workdir / 'checkpoints' / f'step_{kill_at:08d}' / 'manifest.json'
+  deadline = time.monotonic() + 300
+  while not committed.exists():
+    if proc.poll() is not None or time.monotonic() > deadline:
+      proc.kill()
+      raise RuntimeError(f'the run ended or stalled before step {kill_at} committed')
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  r = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+  if r.returncode != 0:
+    raise RuntimeError(f'resume exit {r.returncode}: {r.stderr[-1500:]}')
+  name = f'step_{steps:08d}'
+  ours = _state_bytes(workdir / 'checkpoints' / name)
+  theirs = _state_bytes(Path(runs['runs']['on']['workdir']) / 'checkpoints' / name)
+  same = ours == theirs
+  if not same:
+    raise RuntimeError(f'{name} after kill+resume differs from the uninterrupted run')
+  return {'killed_after_step': kill_at, 'bit_exact': same}
+
+
+def _state_bytes(step_dir: Path) -> bytes:
+  return b''.join(p.read_bytes() for p in sorted((step_dir / 'state').iterdir()))
+
+
+def blocking(config: str) -> dict:
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from jaxckpt import provenance
+  from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions
+  from jaxckpt.trainer import build_trainer
+  trainer = build_trainer(provenance.load_config_file(config))
+  state = trainer.init_fn(jax.random.key(0))
+  jax.block_until_ready(state)
+  leaves = jax.tree.leaves(state)
+  nbytes = sum(x.nbytes for x in leaves)
+
+  def median_of(fn, n=5):
+    times = []
+    for _ in range(n):
+      t0 = time.perf_counter()
+      fn()
+      times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+  copy = lambda: jax.block_until_ready(
+      jax.device_put(leaves, [x.sharding for x in leaves], may_alias=False))
+  copy()
+  rows = {
+      'state_bytes': nbytes, 'device_copy_s': median_of(copy),
+      'device_to_host_s': median_of(lambda: jax.device_get(leaves), 3)
+  }
+  scratch = Path(tempfile.mkdtemp(prefix='jaxckpt-blocking-'))
+  try:
+    for where in ('host', 'device'):
+      infos = []
+      with CheckpointManager(
+          scratch / where,
+          CheckpointOptions(mode='async', staging=where, keep=1),
+          on_commit=infos.append) as mgr:
+        for step in range(1, 5):
+          mgr.save(step, state)
+          mgr.wait_until_finished()  # blocking alone: no save in flight when the next begins
+      rows[f'jaxckpt_{where}_blocked_s'] = float(np.median([i.seconds_blocked for i in infos[1:]]))
+      rows[f'jaxckpt_{where}_committed_s'] = float(
+          np.median([i.seconds_to_commit for i in infos[1:]]))
+    checkpointer = ocp.StandardCheckpointer()
+    blocked = []
+    for i in range(3):
+      t0 = time.perf_counter()
+      checkpointer.save(scratch / f'orbax-{i}', state)
+      blocked.append(time.perf_counter() - t0)
+      checkpointer.wait_until_finished()
+    rows['orbax_async_blocked_s'] = float(np.median(blocked[1:]))
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
+  ours = rows['jaxckpt_device_blocked_s']
+  rows['device_blocked_over_device_copy'] = ours / rows['device_copy_s']
+  rows['device_blocked_over_orbax_async'] = ours / rows['orbax_async_blocked_s']
+  rows['targets'] = {
+      '<= 1.2 x device copy': rows['device_blocked_over_device_copy'] <= 1.2,
+      '<= 0.1 x orbax async': rows['device_blocked_over_orbax_async'] <= 0.1
+  }
+  print(json.dumps(rows, indent=1), flush=True)
+  return rows
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,108 @@
+"""Staging on the device: `save()` waits only for a copy on the devices; the checkpoint is the same.
+
+These run on whatever devices jax has (8 forced CPU devices here, a GPU in
+`benchmarks/device_run.sh`); the benefit shows only on an accelerator, the correctness anywhere.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from conftest import events_of, state_file
+from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, manifest, staging
+
+
+@pytest.fixture(scope='module')
+def devices_mesh():
+  return Mesh(np.asarray(jax.devices()).reshape(-1, 1), ('data', 'model'))
+
+
+def sharded_state(mesh, seed=0):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  rows = 8 * mesh.shape['data']
+  return {
+      'params': {
+          'w': jax.device_put(jax.random.normal(k1, (rows, 16)), NamedSharding(mesh, P('data'))),
+          'b': jax.device_put(jax.random.normal(k2, (16,)), NamedSharding(mesh, P())),
+      },
+      'opt_state': {
+          'count':
+              jax.device_put(jnp.int32(3), NamedSharding(mesh, P())), 'mu':
+                  jax.device_put(
+                      jnp.full((rows, 16), -0.0, jnp.bfloat16), NamedSharding(mesh, P('data')))
+      },
+  }
+
+
+def host_bytes(tree):
+  return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def test_device_staging_writes_the_same_checkpoint_as_host_staging(devices_mesh, tmp_path):
+  state = sharded_state(devices_mesh)
+  for where in ('host', 'device'):
+    with CheckpointManager(tmp_path / where, CheckpointOptions(mode='async', staging=where)) as mgr:
+      mgr.save(1, state)
+      assert mgr.staging_used == where
+  host, device = (tmp_path / w / 'step_00000001' for w in ('host', 'device'))
+  assert state_file(host).read_bytes() == state_file(device).read_bytes()
+  assert manifest.read(host)['tensors'] == manifest.read(device)['tensors']
+
+
+def test_a_device_staged_save_holds_its_own_step_while_later_steps_donate(devices_mesh, tmp_path):
+  """The next steps donate the saved arrays' buffers and overwrite them; the snapshot is a copy
+  they cannot reach, so the checkpoint is the state at the call."""
+  state = sharded_state(devices_mesh)
+  at_call = host_bytes(state)
+  shardings = jax.tree.map(lambda x: x.sharding, state)
+  step = jax.jit(
+      lambda s: jax.tree.map(lambda x: x * 2 + 1, s), donate_argnums=0, out_shardings=shardings)
+  infos = []
+  with CheckpointManager(
+      tmp_path, CheckpointOptions(mode='async', staging='device'), on_commit=infos.append) as mgr:
+    mgr.save(1, state)
+    for _ in range(4):
+      state = step(state)
+    jax.block_until_ready(state)
+    mgr.wait_until_finished()
+    restored, _ = mgr.restore(
+        1, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                        state))
+  assert host_bytes(restored) == at_call
+  assert host_bytes(state) != at_call  # the loop did move on
+  assert infos[0].staging == 'device'
+
+
+class FakeDevice:
+
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    return self.stats
+
+
+def test_auto_staging_takes_the_device_only_with_room_for_two_copies():
+  assert not staging.device_has_room(FakeDevice(None), 1)  # a CPU reports nothing
+  assert not staging.device_has_room(FakeDevice({'bytes_in_use': 5}), 1)
+  roomy = FakeDevice({'bytes_limit': 100, 'bytes_in_use': 40})
+  assert staging.device_has_room(roomy, 60) and not staging.device_has_room(roomy, 61)
+  leaves = {'w': jnp.ones((1024,), jnp.float32)}
+  expected = 'device' if staging.device_has_room(jax.devices()[0], 2 * 4096) else 'host'
+  assert staging.choose_staging('auto', leaves) == expected
+  assert staging.choose_staging('device', leaves) == 'device'
+  assert staging.choose_staging('device', {'w': np.ones(3)}) == 'host'  # not on a device
+
+
+def test_the_trainer_with_device_staging_writes_the_same_run(trainer, tmp_path):
+  flags = ('--config.train.steps=20', '--checkpoint_every=10', '--checkpoint_mode=async')
+  for where in ('host', 'device'):
+    r = trainer.train(tmp_path / where, *flags, f'--checkpoint_staging={where}')
+    assert r.returncode == 0, r.stderr
+    assert {e['staging'] for e in events_of(tmp_path / where, 'checkpoint')} == {where}
+  for step in (10, 20):
+    host, device = (
+        state_file(tmp_path / w / 'checkpoints' / f'step_{step:08d}') for w in ('host', 'device'))
+    assert host.read_bytes() == device.read_bytes(), step
