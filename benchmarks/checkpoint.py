@@ -118,9 +118,12 @@ def jaxckpt_pass(trainer,
   """One fresh manager: its first save, `steady` more saves, then cold restores.
 
     Only the checkpoint being timed is on disk (the previous one is removed off the clock), and
-    retention is off (keep=0), so no deletion runs inside a timed save. Peak memory is sampled
-    during the first save (and by `benchmarks.memory`); the steady-state saves run without the
-    sampling thread, as the host-copy baseline they are compared with does.
+    retention is off (keep=0), so no deletion runs inside a timed save. The first save starts
+    from a settled machine (caches dropped, memory recycled); the steady-state saves follow the
+    previous one directly, as in training, and as the touched host copy they are compared with
+    follows the fresh one. Peak memory is sampled during the first save (and by
+    `benchmarks.memory`); the steady-state saves run without the sampling thread, as the
+    host-copy baseline does.
     """
   name = variant_name(storage)
   work = baselines._fresh_dir(scratch, name)
@@ -133,10 +136,10 @@ def jaxckpt_pass(trainer,
       if i:
         shutil.rmtree(mgr.step_dir(i))
       suffix = '-first' if i == 0 else ''
-      baselines._settle([work], nbytes)
       if i == 0:
+        baselines._settle([work], nbytes)
         (blocking, committed), peak = peak_rss_during(lambda: _save_and_commit(mgr, step, state))
-      else:  # timed as the host-copy baseline is: no RSS-sampling thread competing for 2 cores
+      else:  # right after the previous save, with no RSS-sampling thread: see the docstring
         (blocking, committed), peak = _save_and_commit(mgr, step, state), None
       rows += [
           baselines._row(name, f'save-blocking{suffix}', blocking, nbytes),
