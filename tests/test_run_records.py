@@ -105,3 +105,35 @@ def test_pivot_and_zombie_arm(trainer, tmp_path):
   plot = jaxckpt_cli('plot', f'--workdir={workdir}')
   assert plot.returncode == 0, plot.stderr
   assert (workdir / 'loss.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+
+
+def test_a_save_that_fails_while_the_run_stops_for_another_error_is_reported(
+    tmp_path, monkeypatch, caplog):
+  """The loop fails (here: sampling raises) while the checkpoint before it is still being
+  written and fails too: the loop's error is raised, and the save's is logged and recorded."""
+  import logging
+
+  from conftest import tiny_config
+  from jaxckpt import train
+  from jaxckpt.checkpoint import statefile
+
+  def disk_gone(*args, **kwargs):
+    raise OSError(5, 'Input/output error')
+
+  real_samples = train.generate_samples
+
+  def samples(trainer, params, step):
+    if step == 20:
+      raise RuntimeError('sampling failed')
+    return real_samples(trainer, params, step)
+
+  monkeypatch.setattr(statefile, 'write', disk_gone)
+  monkeypatch.setattr(train, 'generate_samples', samples)
+  config = tiny_config(**{'train.steps': 30, 'checkpoint.every': 10, 'checkpoint.mode': 'async'})
+  caplog.set_level(logging.ERROR)
+  with pytest.raises(RuntimeError, match='sampling failed'):
+    train.train_and_evaluate(config, tmp_path)
+  failed = events_of(tmp_path, 'save_failed')
+  assert len(failed) == 1 and 'E-CKPT-001' in failed[0]['error'], failed
+  assert 'the checkpoint in flight failed too' in caplog.text
+  assert read_status(tmp_path)['state'] == 'failed' and committed_steps(tmp_path) == []
