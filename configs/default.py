@@ -70,7 +70,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.mode = 'auto'  # async | sync | auto (async when a host copy fits in memory)
   config.checkpoint.keep = 3  # newest checkpoints kept (0: all)
   config.checkpoint.keep_every = 0  # steps divisible by this are kept forever (0: off)
-  config.checkpoint.storage = 'auto'  # safetensors (one file, disk speed) | orbax; auto: by processes
+  config.checkpoint.keep_best = 0  # also keep the N of lowest held-out loss (see train.eval_every)
+  config.checkpoint.storage = 'auto'  # safetensors (1 file, disk speed) | orbax; auto: by processes
   config.checkpoint.staging = 'auto'  # host | device (a 2nd copy in device memory) | auto
 
   # Exports under <workdir>/exports/, written from a checkpoint's host copy after it commits.

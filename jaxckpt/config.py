@@ -58,9 +58,11 @@ def checkpoint_options(config):
         mode=c.mode,
         keep=c.keep,
         keep_every=c.keep_every,
+        keep_best=c.get('keep_best', 0),
         storage=c.storage,
         staging=c.get('staging', 'auto'))
   except ArgumentError as e:
     raise ConfigError(
         e.code, e.what, 'set --checkpoint_every, --checkpoint_secs, --checkpoint_mode, '
-        '--checkpoint_staging, --keep, --keep_every or --config.checkpoint.*') from None
+        '--checkpoint_staging, --keep, --keep_every, --keep_best or --config.checkpoint.*'
+    ) from None

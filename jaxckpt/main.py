@@ -34,6 +34,9 @@ flags.DEFINE_enum(
     'copy in device memory; the copy to host runs in the background).')
 flags.DEFINE_integer('keep', None, 'Newest checkpoints to keep (0: all).')
 flags.DEFINE_integer('keep_every', None, 'Keep every checkpoint whose step is divisible by this.')
+flags.DEFINE_integer(
+    'keep_best', None, 'Also keep the N checkpoints with the lowest held-out loss '
+    '(evaluated every config.train.eval_every steps; 0: off).')
 flags.DEFINE_bool(
     'guard_finite', None, 'Check params and optimizer state for NaN/inf before '
     'each checkpoint commits; stop the run instead of committing them.')
@@ -53,6 +56,7 @@ FLAG_FIELDS = {
     'checkpoint_staging': 'checkpoint.staging',
     'keep': 'checkpoint.keep',
     'keep_every': 'checkpoint.keep_every',
+    'keep_best': 'checkpoint.keep_best',
     'guard_finite': 'train.guard_finite',
     'export_every': 'export.every',
     'export_formats': 'export.formats',

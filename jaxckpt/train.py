@@ -186,6 +186,7 @@ def _loop(session: Session, state: TrainState, step: int) -> TrainState:
       session.resumed_from is not None
       and session.resumed_from.resolve() == mgr.step_dir(step).resolve())
   saved = {step} if restored_here else set()
+  heldout: dict[int, float] = {}  # step -> held-out loss, for the checkpoint of that step
   sample_every = config.samples.every if config.samples.every >= 0 else config.checkpoint.every
 
   def save(step: int) -> None:
@@ -202,7 +203,14 @@ def _loop(session: Session, state: TrainState, step: int) -> TrainState:
         step,
         state,
         run_state,
-        metadata={**session.identity, 'counters': counters, 'finished': step == total},
+        metadata={
+            **session.identity,
+            'counters': counters,
+            'finished': step == total,
+            # The held-out loss of this very step, when the run evaluated it: what
+            # --keep_best ranks by (a checkpoint without one never counts as best).
+            'metrics': {'heldout_loss': heldout[step]} if step in heldout else {}
+        },
         exclude=session.not_saved if session.file_frozen else None)
     phases.write_bandit_mirror(session.workdir, step, bandit_state)
     saved.add(step)
@@ -217,7 +225,8 @@ def _loop(session: Session, state: TrainState, step: int) -> TrainState:
       progress.flush(log=True)
       runlog.status(step=step)
     if config.train.eval_every and step % config.train.eval_every == 0:
-      runlog.event('eval', step=step, heldout_loss=evaluate(trainer, state.params, dataset))
+      heldout[step] = evaluate(trainer, state.params, dataset)
+      runlog.event('eval', step=step, heldout_loss=heldout[step])
     if sample_every and (step % sample_every == 0 or step == total):
       phases.write_samples(session.workdir, session.bandit.state['phase'], step,
                            generate_samples(trainer, state.params, step), config.samples.keep)

@@ -137,3 +137,15 @@ def test_a_save_that_fails_while_the_run_stops_for_another_error_is_reported(
   assert len(failed) == 1 and 'E-CKPT-001' in failed[0]['error'], failed
   assert 'the checkpoint in flight failed too' in caplog.text
   assert read_status(tmp_path)['state'] == 'failed' and committed_steps(tmp_path) == []
+
+
+def test_keep_best_keeps_the_checkpoints_with_the_lowest_heldout_loss(trainer, tmp_path):
+  r = trainer.train(tmp_path, '--config.train.steps=60', '--checkpoint_every=10', '--keep=1',
+                    '--keep_best=2', '--config.train.eval_every=20')
+  assert r.returncode == 0, r.stderr
+  heldout = {e['step']: e['heldout_loss'] for e in events_of(tmp_path, 'eval')}
+  assert sorted(heldout) == [20, 40, 60]
+  best = sorted(heldout, key=heldout.get)[:2]
+  assert committed_steps(tmp_path) == sorted({60, *best})  # the newest, and the best two
+  inspect = jaxckpt_cli('inspect', str(tmp_path / 'checkpoints' / f'step_{best[0]:08d}'))
+  assert f'metrics     heldout_loss {heldout[best[0]]:.6g}' in inspect.stdout, inspect.stdout

@@ -66,7 +66,8 @@ class CheckpointManager:
     self._on_commit = on_commit
     self._writer = writer
     self._save_policy = SavePolicy(self.options.every_steps, self.options.every_secs)
-    self._retention = RetentionPolicy(self.options.keep, self.options.keep_every)
+    self._retention = RetentionPolicy(self.options.keep, self.options.keep_every,
+                                      self.options.keep_best)
     self._stager = HostStager()
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
     self._pending: concurrent.futures.Future | None = None
@@ -270,6 +271,20 @@ class CheckpointManager:
       return self.options.storage
     return SAFETENSORS if jax.process_count() == 1 else 'orbax'
 
+  def _best_metric(self, committed: Mapping[int, Path]) -> dict[int, float]:
+    """{step: the manifest's `metrics[best_metric]`} of the committed steps that recorded one."""
+    if not self.options.keep_best:
+      return {}
+    out = {}
+    for step, path in committed.items():
+      try:
+        value = (manifest.read(path).get('metrics') or {}).get(self.options.best_metric)
+      except CheckpointError:
+        continue  # unreadable: never the best
+      if isinstance(value, (int, float)):
+        out[step] = float(value)
+    return out
+
   def _apply_retention(self) -> tuple[list[int], list[str]]:
     """Delete what retention lets go; only ever called right after a commit.
 
@@ -279,7 +294,7 @@ class CheckpointManager:
     deleted, problems = [], []
     try:
       committed = layout.committed_steps(self.directory)
-      for step in self._retention.to_delete(committed):
+      for step in self._retention.to_delete(committed, self._best_metric(committed)):
         try:
           # Rename first so a half-deleted directory never looks like a checkpoint.
           gone = layout.deleting_dir(self.directory, step)

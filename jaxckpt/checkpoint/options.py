@@ -39,6 +39,8 @@ class CheckpointOptions:
   mode: str = 'auto'  # auto | async | sync
   keep: int = 3  # newest checkpoints kept (0 keeps all)
   keep_every: int = 0  # steps divisible by this are kept forever
+  keep_best: int = 0  # also keep the N checkpoints with the lowest `best_metric` (0: off)
+  best_metric: str = 'heldout_loss'  # a number in the manifest's `metrics` (save(metadata=...))
   verify_checksums: bool = True  # check every file's CRC before restoring it
   storage: str = 'auto'  # auto | safetensors | orbax
   staging: str = 'auto'  # auto | host | device
@@ -54,7 +56,7 @@ class CheckpointOptions:
     if self.staging not in STAGINGS:
       raise ArgumentError('E-CONFIG-004', f'checkpoint staging {self.staging!r} is not one of '
                           f'{STAGINGS}', 'use auto, host or device')
-    for field in ('every_steps', 'every_secs', 'keep', 'keep_every'):
+    for field in ('every_steps', 'every_secs', 'keep', 'keep_every', 'keep_best'):
       if getattr(self, field) < 0:
         raise ArgumentError('E-CONFIG-004', f'checkpoint {field}={getattr(self, field)} is '
                             'negative', 'use 0 to turn it off')

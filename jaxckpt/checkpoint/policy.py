@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Mapping
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,16 +26,24 @@ class SavePolicy:
 
 @dataclasses.dataclass(frozen=True)
 class RetentionPolicy:
-  """Keep the newest `keep` checkpoints (0 = all) and every step divisible by `keep_every`."""
+  """Keep the newest `keep` checkpoints (0 = all), every step divisible by `keep_every`, and the
+  `keep_best` with the lowest metric (a checkpoint without one never counts as best)."""
   keep: int = 3
   keep_every: int = 0
+  keep_best: int = 0
 
-  def to_delete(self, committed: Iterable[int]) -> list[int]:
-    """Steps to delete from `committed`; the newest committed step is never among them."""
+  def to_delete(self,
+                committed: Iterable[int],
+                metric: Mapping[int, float] | None = None) -> list[int]:
+    """Steps to delete from `committed` ({step: metric} where one was recorded); the newest
+    committed step is never among them."""
     steps = sorted(committed)
     if not steps or self.keep <= 0:
       return []
     kept = set(steps[-max(self.keep, 1):])
     if self.keep_every > 0:
       kept |= {s for s in steps if s % self.keep_every == 0}
+    if self.keep_best > 0:
+      scored = sorted((v, s) for s, v in (metric or {}).items() if s in set(steps) and v == v)
+      kept |= {s for _, s in scored[:self.keep_best]}  # ties: the earlier step
     return [s for s in steps if s not in kept]

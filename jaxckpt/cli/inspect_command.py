@@ -103,6 +103,8 @@ def render(d: Mapping[str, Any]) -> str:
     lines.append('placement   ' + ', '.join(w for w in where if w))
   if d.get('counters'):
     lines.append('counters    ' + ', '.join(f'{k} {v}' for k, v in d['counters'].items()))
+  if d.get('metrics'):  # what --keep_best ranks by
+    lines.append('metrics     ' + ', '.join(f'{k} {v:.6g}' for k, v in d['metrics'].items()))
   if d.get('init_from'):
     pin = d['init_from']
     lines.append(f'init_from   {pin["path"]} ({pin["size"]:,} bytes, sha256 {pin["sha256"]})')
