@@ -72,10 +72,6 @@ def padded_view(x: np.ndarray) -> memoryview:
   return memoryview(np.ascontiguousarray(x).reshape(-1).view(np.uint8))
 
 
-def address(view) -> int:
-  return np.frombuffer(view, np.uint8).ctypes.data if len(view) else 0
-
-
 def say_once(path_taken: str, where: Path) -> None:
   with _said_lock:
     if path_taken in _said:

@@ -179,6 +179,9 @@ def choose_staging(staging: str, leaves: Mapping[str, Any]) -> str:
     return 'host'
   if staging == 'device':
     return 'device'
+  first = next(iter(leaves.values()))
+  if not device_has_room(next(iter(first.sharding.addressable_devices)), 0):
+    return 'host'  # no memory statistics (a CPU): no need to size anything, every save
   need: dict[Any, int] = {}  # bytes a second copy takes on each device
   for x in leaves.values():
     shard = math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize

@@ -308,8 +308,9 @@ def read(
     header_len, entries, meta = read_header(path, fd)
   finally:
     os.close(fd)
-  wanted = list(entries) if names is None else [n for n in entries if n in set(names)]
-  missing = set(names or ()) - set(entries)
+  asked = set(entries) if names is None else set(names)
+  wanted = [n for n in entries if n in asked]  # file order
+  missing = asked - set(entries)
   if missing:
     _damaged(path, f'tensors listed in the manifest are not in the file: {sorted(missing)[:3]}')
   whole = checksums and len(wanted) == len(entries) and expect_crc32 is not None
