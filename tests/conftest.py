@@ -110,20 +110,21 @@ def committed_steps(workdir) -> list[int]:
 
 
 def wait_for(predicate,
-             proc: subprocess.Popen,
+             proc: subprocess.Popen | None = None,
              timeout: float = 300.0,
              every: float = 0.05) -> None:
-  """Poll until `predicate()` holds; fail if the process ends first or time runs out.
+  """Poll until `predicate()` holds; fail if the process (if any) ends first or time runs out.
 
   Every 50 ms: a tighter poll competes with the trainer for the machine's 2 cores.
   """
   deadline = time.monotonic() + timeout
   while not predicate():
-    if proc.poll() is not None:
+    if proc is not None and proc.poll() is not None:
       raise AssertionError(f'trainer exited ({proc.returncode}) first:\n{proc.stdout.read()}')
     if time.monotonic() > deadline:
-      proc.kill()
-      raise AssertionError('timed out waiting for the trainer')
+      if proc is not None:
+        proc.kill()
+      raise AssertionError('timed out waiting')
     time.sleep(every)
 
 
@@ -260,3 +261,125 @@ def abstract(tree):
   """A restore target for `tree`: each leaf's shape, dtype and sharding."""
   import jax
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+# Object storage servers on loopback, for the remote tier: moto's S3 server and a GCS emulator.
+def free_port() -> int:
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+class S3Server:
+  """moto's S3 server in this process; `bucket()` makes a fresh bucket and returns its URL."""
+
+  def __init__(self):
+    from moto.server import ThreadedMotoServer
+    self.port = free_port()
+    self.endpoint = f'http://127.0.0.1:{self.port}'
+    self.env = {
+        'AWS_ENDPOINT_URL': self.endpoint, 'AWS_ACCESS_KEY_ID': 'testing',
+        'AWS_SECRET_ACCESS_KEY': 'testing', 'AWS_REGION': 'us-east-1'
+    }
+    os.environ.update(self.env)
+    self._server = ThreadedMotoServer(ip_address='127.0.0.1', port=self.port, verbose=False)
+    self._server.start()
+    self._count = 0
+
+  def client(self):
+    import boto3
+    return boto3.client('s3', endpoint_url=self.endpoint, region_name='us-east-1')
+
+  def bucket(self, prefix: str = 'run') -> str:
+    self._count += 1
+    name = f'bucket-{self._count}'
+    self.client().create_bucket(Bucket=name)
+    return f's3://{name}/{prefix}'
+
+  def stop(self) -> None:
+    self._server.stop()
+
+  def start(self) -> None:
+    from moto.server import ThreadedMotoServer
+    self._server = ThreadedMotoServer(ip_address='127.0.0.1', port=self.port, verbose=False)
+    self._server.start()
+
+
+@pytest.fixture(scope='session')
+def s3_server():
+  server = S3Server()
+  yield server
+  server.stop()
+
+
+class GcsServer:
+  """gcp-storage-emulator in this process, in memory; `bucket()` as for `S3Server`."""
+
+  def __init__(self):
+    from gcp_storage_emulator.server import create_server
+    self.port = free_port()
+    self.env = {'STORAGE_EMULATOR_HOST': f'http://127.0.0.1:{self.port}'}
+    os.environ.update(self.env)
+    self._server = create_server('127.0.0.1', self.port, in_memory=True)
+    self._server.start()
+    self._count = 0
+
+  def bucket(self, prefix: str = 'run') -> str:
+    import urllib.request
+    self._count += 1
+    name = f'bucket-{self._count}'
+    request = urllib.request.Request(
+        f'http://127.0.0.1:{self.port}/storage/v1/b',
+        data=json.dumps({'name': name}).encode(),
+        headers={'Content-Type': 'application/json'},
+        method='POST')
+    urllib.request.urlopen(request).read()
+    return f'gs://{name}/{prefix}'
+
+
+@pytest.fixture(scope='session')
+def gcs_server():
+  server = GcsServer()
+  yield server
+  server._server.stop()
+
+
+# ------------------------------------------- several jax.distributed processes on this machine
+def start_processes(argv_of,
+                    count: int,
+                    *,
+                    cache: Path,
+                    devices: int = 1,
+                    env: dict | None = None) -> list[subprocess.Popen]:
+  """`count` real processes of one jax.distributed job: `argv_of(process_id, coordinator)` is
+  each one's command line (its coordinator '127.0.0.1:PORT' is a free port here). Output is
+  captured (stdout and stderr together)."""
+  coordinator = f'127.0.0.1:{free_port()}'
+  base = subprocess_env(cache, devices, **(env or {}))
+  return [
+      subprocess.Popen(
+          argv_of(k, coordinator),
+          cwd=REPO,
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+          env=base) for k in range(count)
+  ]
+
+
+def finish_processes(procs: list[subprocess.Popen], timeout: float = 240) -> list[tuple[int, str]]:
+  """[(exit code, output)] of each process once all have ended; past `timeout` every one still
+  running is killed and the test fails (a hang is a failure, never a wait)."""
+  deadline = time.monotonic() + timeout
+  out = []
+  for p in procs:
+    try:
+      text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      raise AssertionError(f'process {procs.index(p)} still running after {timeout} s: '
+                           f'{p.communicate()[0][-3000:]}')
+    out.append((p.returncode, text))
+  return out

@@ -1,0 +1,13 @@
+"""The remote tier: checkpoints that outlive the machine, in s3://, gs:// or a mounted path.
+
+    store       one remote location on tensorstore's kvstore drivers; conditional writes
+    objects     a checkpoint's objects: upload (manifest last), find, download (CRC-checked)
+    uploader    the background thread that makes each committed checkpoint durable remotely
+    lease       one writer per remote prefix, through conditional writes
+"""
+
+from .lease import Lease, LeaseError
+from .store import Store, StoreError, parse_url
+from .uploader import Uploader
+
+__all__ = ['Lease', 'LeaseError', 'Store', 'StoreError', 'Uploader', 'parse_url']

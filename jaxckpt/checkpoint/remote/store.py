@@ -1,0 +1,222 @@
+"""Object storage, or a mounted path, behind one small interface: tensorstore's kvstore drivers.
+
+    s3://bucket/prefix     the `s3` driver. Endpoint from AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL,
+                           region from AWS_REGION or AWS_DEFAULT_REGION, credentials from the
+                           AWS_* variables when set, else the default chain (profile, instance).
+    gs://bucket/prefix     the `gcs` driver: application default credentials; STORAGE_EMULATOR_HOST
+                           (or TENSORSTORE_GCS_HTTP_URL) points it at an emulator.
+    /path, file:///path    the `file` driver: a mounted persistent disk or a shared filesystem.
+
+Keys are relative to the prefix. Every failure is a `StoreError` whose `kind` says what went
+wrong (a missing bucket, refused credentials, no permission, an endpoint that cannot be reached)
+so callers can name the fix. Conditional writes (`create`, `replace`) carry the store's
+generation of an object: S3 `If-None-Match`/`If-Match`, GCS `ifGenerationMatch`, a file's stamp.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from ..errors import CheckpointError
+
+SCHEMES = ('s3', 'gs', 'file')
+_URL = re.compile(r'^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://(?P<rest>.*)$')
+_RETRIES = {'max_retries': 3, 'initial_delay': '0.2s', 'max_delay': '2s'}
+_ABSENT = b'\x02'  # tensorstore's generation of a key that holds no value
+
+
+class StoreError(CheckpointError):
+  """A store operation failed. `kind`: what `classify` makes of the store's answer."""
+
+  def __init__(self, code: str, what: str, fix: str = '', kind: str = 'failed'):
+    super().__init__(code, what, fix)
+    self.kind = kind
+
+
+def parse_url(url: str) -> tuple[str, str, str]:
+  """(scheme, bucket, prefix) of a remote URL; a plain path is ('file', '', absolute path).
+
+  Raises `StoreError` E-STORE-001 for a scheme that is not s3, gs or file, or a missing bucket.
+  """
+  m = _URL.match(url)
+  if not m:
+    return 'file', '', str(Path(url).expanduser().absolute())
+  scheme, rest = m['scheme'].lower(), m['rest']
+  if scheme not in SCHEMES:
+    raise StoreError('E-STORE-001', f'{url}: unknown storage scheme {scheme}://',
+                     'use s3://bucket/prefix, gs://bucket/prefix or a path')
+  if scheme == 'file':
+    return 'file', '', str(Path('/' + rest.lstrip('/')))
+  bucket, _, prefix = rest.partition('/')
+  if not bucket:
+    raise StoreError('E-STORE-001', f'{url}: no bucket named', f'use {scheme}://bucket/prefix')
+  return scheme, bucket, prefix.strip('/')
+
+
+def _spec(scheme: str, bucket: str, prefix: str, retries: Mapping[str, Any]) -> dict:
+  path = prefix + '/' if prefix else ''
+  if scheme == 'file':
+    return {'driver': 'file', 'path': path}
+  if scheme == 'gs':
+    emulator = os.environ.get('STORAGE_EMULATOR_HOST')
+    if emulator and not os.environ.get('TENSORSTORE_GCS_HTTP_URL'):
+      os.environ['TENSORSTORE_GCS_HTTP_URL'] = (
+          emulator if '://' in emulator else f'http://{emulator}')
+    return {
+        'driver': 'gcs', 'bucket': bucket, 'path': path,
+        'context': {'gcs_request_retries': dict(retries)}
+    }
+  env = os.environ
+  spec = {
+      'driver': 's3', 'bucket': bucket, 'path': path,
+      'aws_credentials': {'type': 'environment' if env.get('AWS_ACCESS_KEY_ID') else 'default'},
+      'context': {'s3_request_retries': dict(retries)}
+  }
+  endpoint = env.get('AWS_ENDPOINT_URL_S3') or env.get('AWS_ENDPOINT_URL')
+  region = env.get('AWS_REGION') or env.get('AWS_DEFAULT_REGION')
+  if endpoint:
+    spec['endpoint'] = endpoint
+  if region or endpoint:  # an S3-compatible server needs one to sign with; us-east-1 is the usual
+    spec['aws_region'] = region or 'us-east-1'
+  return spec
+
+
+def classify(message: str) -> str:
+  """The `StoreError.kind` of a tensorstore error message: 'bad_url' (a bucket name the store
+  cannot have), 'missing_bucket', 'unreachable', 'credentials' (a key or token the store does not
+  know), 'denied' (known credentials without the permission), or 'failed'."""
+  m = message.lower()
+  if 'invalidbucketname' in m or 'invalid' in m and 'bucket name' in m:
+    return 'bad_url'
+  if any(
+      s in m for s in ('invalidaccesskeyid', 'signaturedoesnotmatch', 'unauthenticated', "'401'",
+                       'expiredtoken', 'invalidtoken', 'invalid_grant', 'unrecognizedclient')):
+    return 'credentials'
+  if 'nosuchbucket' in m or 'bucket' in m and ('not found' in m or 'not exist' in m):
+    return 'missing_bucket'
+  if any(
+      s in m for s in ('could not connect', 'connection refused', "couldn't connect",
+                       'resolve host', 'curl error', 'timed out', 'timeout')):
+    return 'unreachable'
+  if any(
+      s in m for s in ("'403'", 'permission_denied', 'accessdenied', 'access denied', 'forbidden',
+                       'permission denied')):
+    return 'denied'
+  if "'404'" in m or 'not_found' in m:
+    return 'missing_bucket'
+  return 'failed'
+
+
+def _key_range(prefix: str):
+  import tensorstore as ts
+  if not prefix:
+    return None
+  end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+  return ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=end)
+
+
+class Store:
+  """One remote location (`url`); keys are paths under it. Thread-safe: tensorstore is."""
+
+  def __init__(self, url: str, *, retries: Mapping[str, Any] | None = None):
+    self.url = url.rstrip('/') if '://' in url else url
+    self.scheme, self.bucket, self.prefix = parse_url(url)
+    self._spec = _spec(self.scheme, self.bucket, self.prefix, retries or _RETRIES)
+    self._kv = None
+
+  def __repr__(self) -> str:
+    return f'Store({self.url!r})'
+
+  @property
+  def kv(self):
+    if self._kv is None:
+      import tensorstore as ts
+      if self.scheme == 'file':
+        Path(self._spec['path']).mkdir(parents=True, exist_ok=True)
+      self._kv = self._call('open', None, lambda: ts.KvStore.open(self._spec).result())
+    return self._kv
+
+  def join(self, *parts: str) -> str:
+    """The URL of a key, for messages."""
+    return '/'.join([self.url, *parts])
+
+  def _call(self, op: str, key: str | None, fn):
+    try:
+      return fn()
+    except (ValueError, RuntimeError, OSError) as e:
+      message = str(e)
+      where = self.join(key) if key else self.url
+      raise StoreError('E-STORE-010', f'{op} {where} failed: {message.splitlines()[0][:300]}',
+                       'check the store and the network; the operation is retried',
+                       classify(message)) from e
+
+  # Plain operations.
+  def read(self, key: str) -> bytes | None:
+    """The object's bytes, or None when there is none."""
+    r = self._call('read', key, lambda: self.kv.read(key).result())
+    return r.value if r.state == 'value' else None
+
+  def read_range(self, key: str, start: int, stop: int) -> bytes:
+    r = self._call('read', key, lambda: self.kv.read(key, byte_range=slice(start, stop)).result())
+    if r.state != 'value':
+      raise StoreError('E-STORE-011', f'{self.join(key)} is missing', 'the object was removed')
+    return r.value
+
+  def write(self, key: str, data: bytes) -> None:
+    self._call('write', key, lambda: self.kv.write(key, bytes(data)).result())
+
+  def write_many(self, items: Mapping[str, bytes]) -> None:
+    """Writes every object at once; returns when all are durable (raises on the first error)."""
+    futures = {k: self.kv.write(k, bytes(v)) for k, v in items.items()}
+    for key, future in futures.items():
+      self._call('write', key, future.result)
+
+  def start_write(self, key: str, data: bytes):
+    """A tensorstore future for a write; `finish(key, future)` waits for it."""
+    return self.kv.write(key, data)
+
+  def start_read(self, key: str):
+    return self.kv.read(key)
+
+  def finish(self, op: str, key: str, future) -> Any:
+    return self._call(op, key, future.result)
+
+  def delete(self, key: str) -> None:
+    self._call('delete', key, lambda: self.kv.write(key, None).result())
+
+  def delete_many(self, keys: Iterable[str]) -> None:
+    futures = {k: self.kv.write(k, None) for k in keys}
+    for key, future in futures.items():
+      self._call('delete', key, future.result)
+
+  def list(self, prefix: str = '') -> list[str]:
+    """Every key that starts with `prefix`, sorted."""
+    keys = self._call('list', prefix or None, lambda: self.kv.list(_key_range(prefix)).result())
+    # Filtered here too: some servers (the GCS emulator) answer with more than the range asked.
+    return sorted(k for k in (k.decode() for k in keys) if k.startswith(prefix))
+
+  # Conditional operations: a generation is what the store says of an object's current version.
+  def read_generation(self, key: str) -> tuple[bytes | None, bytes]:
+    """(bytes or None, generation); the generation of an absent object makes `replace` a create."""
+    r = self._call('read', key, lambda: self.kv.read(key).result())
+    return (r.value if r.state == 'value' else None), r.stamp.generation
+
+  def replace(self, key: str, data: bytes | None, generation: bytes) -> bytes | None:
+    """Writes (or deletes, with None) `key` only if it is still at `generation`; returns the new
+    generation, or None when someone else changed it first."""
+    if generation != _ABSENT and not generation.strip(b'\x00'):
+      # The server read the object without saying its version (the GCS emulator's downloads
+      # carry no x-goog-generation): there is nothing to make the write conditional on.
+      logging.warning('%s does not report object generations: writing %s unconditionally',
+                      self.url, key)
+      generation = None
+    stamp = self._call('write', key, lambda: self.kv.write(key, data, if_equal=generation).result())
+    return stamp.generation or None  # an empty generation: the condition did not hold
+
+  def create(self, key: str, data: bytes) -> bytes | None:
+    """Writes `key` only if it does not exist; its generation, or None when it exists."""
+    return self.replace(key, data, _ABSENT)
