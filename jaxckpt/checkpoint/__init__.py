@@ -9,13 +9,17 @@ paying for jax.
     formats     which state format a checkpoint holds (safetensors, the first raw format, orbax)
     options     CheckpointOptions (cadence, mode, retention) and CommitInfo (what a commit cost)
     staging     the device -> host copy a save waits for, into one page-aligned region
-    statefile   the state as one safetensors file, O_DIRECT (one process); orbaxstore: across
-                processes; rawstore: reads the first format (arrays.bin + index.json)
+    statefile   the state as one safetensors file, O_DIRECT; orbaxstore: orbax-checkpoint's files;
+                rawstore: reads the first format (arrays.bin + index.json)
+    multihost   across jax.distributed processes: each writes the shards it owns, one commit;
+                restores read each process's byte ranges, whatever process count wrote them
     directio    aligned buffers and O_DIRECT I/O with its fallbacks
     manifest    the commit marker: every file's size and CRC-32, the tensor table, its seal
     layout      names on disk, committed steps, debris;  atomic: durable writes and swaps
     discovery   the newest intact checkpoint; checking one while a live run changes it
-    policy      when to save and what to keep;  signals: preemption signals as flags
+    policy      when to save and what to keep;  retention: deleting what it lets go
+    signals     preemption signals as flags
+    cadence     how often to save: Young-Daly from a checkpoint's cost and the interruption rate
     tree        leaf names and tensor tables;  checksum: CRC-32;  errors: CheckpointError
 """
 
@@ -23,6 +27,7 @@ import importlib
 
 from .errors import ArgumentError, CheckpointError
 from .layout import committed_steps, step_dirname
+from .cadence import CadenceOptions
 from .options import CheckpointOptions, CommitInfo
 from .policy import RetentionPolicy, SavePolicy
 
@@ -32,8 +37,8 @@ _LAZY = {
 }
 
 __all__ = [
-    'ArgumentError', 'CheckpointError', 'CheckpointManager', 'CheckpointOptions', 'CommitInfo',
-    'RetentionPolicy', 'SavePolicy', 'committed_steps', 'named_leaves', 'step_dirname'
+    'ArgumentError', 'CadenceOptions', 'CheckpointError', 'CheckpointManager', 'CheckpointOptions',
+    'CommitInfo', 'RetentionPolicy', 'SavePolicy', 'committed_steps', 'named_leaves', 'step_dirname'
 ]
 
 
