@@ -1,6 +1,7 @@
 """Which state format a checkpoint holds, and reading it whatever it is.
 
-    safetensors   state/process_0.safetensors (`statefile`), what jaxckpt writes on one process
+    safetensors   state/process_0.safetensors (`statefile`), what jaxckpt writes on one process;
+                  across processes one file per process, its shards (`multihost`)
     raw           state/arrays.bin + index.json (`rawstore`), the first format: read only
     orbax         orbax-checkpoint's tensorstore files (`orbaxstore`), across processes
 
@@ -15,15 +16,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import layout, manifest, orbaxstore, rawstore, statefile
+from . import layout, manifest, multihost, orbaxstore, rawstore, statefile
 
 SAFETENSORS = 'safetensors'  # the manifest's `storage` of a single-file state (raw: format 1)
 
 
 def data_file(meta: Mapping[str, Any]) -> str | None:
-  """The relative path of a checkpoint's single state file (None: orbax's many files)."""
+  """The relative path of a checkpoint's single state file (None: orbax's many files, or one
+  safetensors file per process that wrote it: `state_files`)."""
   storage = meta.get('storage')
-  if storage == SAFETENSORS:
+  if storage == SAFETENSORS and not meta.get('state_files'):
     return f'{layout.STATE_DIR}/{statefile.file_name(0)}'
   if storage == 'raw':  # the first format, read-only
     return f'{layout.STATE_DIR}/{rawstore.DATA}'
@@ -61,6 +63,8 @@ def read_host_arrays(step_dir: os.PathLike) -> dict[str, np.ndarray]:
   """
   step_dir = Path(step_dir).absolute()
   meta = manifest.read(step_dir)
+  if meta.get('state_files'):  # written by several processes: shards, each CRC checked
+    return multihost.read_host(step_dir, meta)
   if data_file(meta):
     return read_state_file(step_dir, meta)
   return orbaxstore.read_host(step_dir / layout.STATE_DIR, [t['name'] for t in meta['tensors']])

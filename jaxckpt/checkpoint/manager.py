@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import logging
 import os
 import shutil
 import threading
@@ -30,7 +29,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from . import atomic, layout, manifest, orbaxstore, statefile
+from . import atomic, layout, manifest, multihost, orbaxstore, retention, statefile
 from .formats import SAFETENSORS, data_file, read_state_file
 from .policy import RetentionPolicy, SavePolicy
 from .staging import (DeviceSnapshot, HostStager, Unstaged, available_host_memory, choose_mode,
@@ -38,8 +37,6 @@ from .staging import (DeviceSnapshot, HostStager, Unstaged, available_host_memor
 from .tree import avals, check_fits, named_leaves, tensor_table
 from .errors import CheckpointError
 from .options import CheckpointOptions, CommitInfo
-
-_log = logging.getLogger(__name__)
 
 
 class CheckpointManager:
@@ -77,9 +74,16 @@ class CheckpointManager:
     self.removed_debris: list[Path] = []
     self.mode_used: str | None = None  # the mode the last save ran in ('async' or 'sync')
     self.staging_used: str | None = None  # where it staged the state first ('host', 'device')
+    # Across processes every one opens its writer, process 0 cleans up, and all save together.
+    self._group = multihost.Group(self.directory, self.options.barrier_timeout_secs) if (
+        writer and jax.process_count() > 1) else None
+    self._saves = 0
     if writer:
       self.directory.mkdir(parents=True, exist_ok=True)
-      self.removed_debris = layout.remove_debris(self.directory)
+      if self._group is None or self._group.leader:
+        self.removed_debris = layout.remove_debris(self.directory)
+      if self._group is not None:  # nobody writes before the debris is gone
+        self._group.sync('open', f'opening {self.directory}')
       steps = list(layout.committed_steps(self.directory))
       self._last_save_step = steps[-1] if steps else -1
 
@@ -155,21 +159,29 @@ class CheckpointManager:
     # the write runs (a bandit's pulls, counters), and a non-JSON value fails here, in its thread.
     run_state_json = _json_bytes({'step': step, **(run_state or {})})
     metadata = json.loads(_json_bytes(dict(metadata or {})))
+    # Across processes each one stages and writes only the shards it owns (`multihost`).
+    group, parts, places = self._group, leaves, {}
+    if group is not None and self._storage() == SAFETENSORS:
+      parts, places = multihost.owned_parts(leaves)
     # The tensor tables are formatted by the writer: the caller only waits for the host copy (the
     # arrays themselves may be donated to the next train step by then).
-    shapes = (avals(leaves), avals(left_out))
-    self.mode_used = mode = self._mode(leaves)
+    shapes = (avals(leaves), avals(left_out), places, self._saves)
+    self._saves += 1
+    self.mode_used = mode = self._mode(parts)
     self.staging_used = 'host'
-    if mode == 'sync' and self.options.mode == 'auto':
+    if group is not None and self._storage() != SAFETENSORS:
+      self.mode_used = mode = 'sync'  # orbax writes the global arrays across processes, inline
+      staged = leaves
+    elif mode == 'sync' and self.options.mode == 'auto':
       self._stager.release()  # short of memory: write from the arrays, hold no staged copy
-      staged = Unstaged(leaves)
+      staged = Unstaged(parts)
     elif mode == 'async' and choose_staging(self.options.staging, leaves) == 'device':
       # A second copy on the devices, which the next step cannot donate away: the loop waits
       # only for it to be enqueued; the writer copies it to host memory, then lets it go.
       self.staging_used = 'device'
-      staged = DeviceSnapshot(leaves)
+      staged = DeviceSnapshot(leaves, parts=None if not places else multihost.owned_parts)
     else:
-      staged = self._stager.stage(leaves)
+      staged = self._stager.stage(parts)
     blocked = time.perf_counter() - t0
     self._last_save_step, self._last_save_time = step, self._clock()
     job = (step, staged, shapes, run_state_json, metadata, t0, blocked)
@@ -203,39 +215,51 @@ class CheckpointManager:
     self.close()
 
   def _write(self, step, staged, shapes, run_state_json, metadata, t0, blocked) -> None:
-    tmp = layout.temporary_dir(self.directory, step)
+    group = self._group
+    tmp = (group or layout).temporary_dir(self.directory, step)  # all processes: one name
+    saved, left_out, places, seq = shapes
     try:
       staging = 'device' if isinstance(staged, DeviceSnapshot) else 'host'
       if staging == 'device':
         staged = staged.to_host(self._stager)
-      saved, left_out = shapes
       table = tensor_table(saved)
       if left_out:
         metadata['excluded'] = tensor_table(left_out)
-      tmp.mkdir(parents=False)
+      tmp.mkdir(parents=False, exist_ok=group is not None)
       storage = self._storage()
       known = {}
       if storage == SAFETENSORS:  # one file, straight from the staging region
         region = None if isinstance(staged, Unstaged) else self._stager.region
-        written, crcs = statefile.write(tmp / layout.STATE_DIR, staged, region=region)
-        known = {f'{layout.STATE_DIR}/{k}': v for k, v in written.items()}
-        table = [{**row, 'crc32': crcs[row['name']]} for row in table]
+        known, table = self._write_state(tmp, step, seq, staged, region, table, places)
       else:
         orbaxstore.save(tmp / layout.STATE_DIR, staged)
       metadata = {**metadata, 'storage': storage}
-      atomic.write_file_durably(tmp / layout.RUN_STATE, run_state_json)
-      files = manifest.file_table(tmp, known=known)
-      sealed = manifest.sealed_json(manifest.build(step, files, table, metadata))
+      if group is not None and storage == SAFETENSORS:
+        metadata['state_files'] = sorted(known)
       final = self.step_dir(step)
-      if final.exists():
-        _replace(tmp, final, sealed)  # an earlier history reached this step too
+      if group is not None and not group.leader:  # process 0 commits; its word ends the save
+        files, word = known, group.await_word(f'{seq}/commit', f'checkpoint step {step}')
+        if word != 'ok':
+          raise CheckpointError('E-DIST-003', f'process 0 did not commit: {word}')
       else:
-        os.rename(tmp, final)
-        atomic.fsync_dir(self.directory)
-        atomic.write_file_durably(final / layout.MANIFEST, sealed)  # the commit
+        atomic.write_file_durably(tmp / layout.RUN_STATE, run_state_json)
+        files = manifest.file_table(tmp, known=known)
+        sealed = manifest.sealed_json(manifest.build(step, files, table, metadata))
+        if final.exists():
+          _replace(tmp, final, sealed)  # an earlier history reached this step too
+        else:
+          os.rename(tmp, final)
+          atomic.fsync_dir(self.directory)
+          atomic.write_file_durably(final / layout.MANIFEST, sealed)  # the commit
+        if group is not None:
+          group.announce(f'{seq}/commit', 'ok')
+          group.forget(str(seq - 1))  # every process has read the previous save's keys
       committed = time.perf_counter()
     except BaseException as e:
-      shutil.rmtree(tmp, ignore_errors=True)
+      if group is None or group.leader:
+        if group is not None:
+          group.announce(f'{seq}/commit', f'{type(e).__name__}: {e}')
+        shutil.rmtree(tmp, ignore_errors=True)
       last = layout.committed_steps(self.directory) if self.directory.is_dir() else {}
       intact = f'the last committed checkpoint (step {max(last)}) is intact' if last else \
           'no earlier checkpoint exists'
@@ -266,50 +290,32 @@ class CheckpointManager:
           f'failed: {type(e).__name__}: {e}',
           f'checkpoint step {step} is committed and intact') from e
 
-  def _storage(self) -> str:
-    if self.options.storage != 'auto':
-      return self.options.storage
-    return SAFETENSORS if jax.process_count() == 1 else 'orbax'
+  def _write_state(self, tmp, step, seq, staged, region, table, places):
+    """Write this process's state file: ({file: {size, crc32}}, the tensor table with CRCs).
+    Across processes, every process's files and shards, once all of them are durable."""
+    name = statefile.file_name(0 if self._group is None else self._group.index)
+    written, crcs = statefile.write(
+        tmp / layout.STATE_DIR,
+        staged,
+        region=region,
+        name=name,
+        metadata=multihost.header_metadata(places))
+    if self._group is None:
+      return {f'{layout.STATE_DIR}/{name}': written[name]}, \
+          [{**row, 'crc32': crcs[row['name']]} for row in table]
+    atomic.fsync_dir(tmp / layout.STATE_DIR)  # its name is durable too
+    record = multihost.part_record(f'{layout.STATE_DIR}/{name}', written[name], crcs, places,
+                                   {t: np.shape(x) for t, x in staged.items()})
+    records = self._group.sync(f'{seq}/durable', f'checkpoint step {step}', record)
+    return multihost.merge_records(records, table)
 
-  def _best_metric(self, committed: Mapping[int, Path]) -> dict[int, float]:
-    """{step: the manifest's `metrics[best_metric]`} of the committed steps that recorded one."""
-    if not self.options.keep_best:
-      return {}
-    out = {}
-    for step, path in committed.items():
-      try:
-        value = (manifest.read(path).get('metrics') or {}).get(self.options.best_metric)
-      except CheckpointError:
-        continue  # unreadable: never the best
-      if isinstance(value, (int, float)):
-        out[step] = float(value)
-    return out
+  def _storage(self) -> str:
+    return SAFETENSORS if self.options.storage == 'auto' else self.options.storage
 
   def _apply_retention(self) -> tuple[list[int], list[str]]:
-    """Delete what retention lets go; only ever called right after a commit.
-
-    Returns (deleted steps, problems). A step that cannot be removed is a warning, not a failed
-    save: the checkpoint just committed is intact, and the next commit tries again.
-    """
-    deleted, problems = [], []
-    try:
-      committed = layout.committed_steps(self.directory)
-      for step in self._retention.to_delete(committed, self._best_metric(committed)):
-        try:
-          # Rename first so a half-deleted directory never looks like a checkpoint.
-          gone = layout.deleting_dir(self.directory, step)
-          os.rename(committed[step], gone)
-          deleted.append(step)
-          shutil.rmtree(gone)
-        except OSError as e:
-          problems.append(f'step {step}: {type(e).__name__}: {e}')
-      if deleted:
-        atomic.fsync_dir(self.directory)
-    except Exception as e:  # listing or fsync failed: the commit before it stands all the same
-      problems.append(f'{type(e).__name__}: {e}')
-    for problem in problems:
-      _log.warning('retention under %s could not delete %s', self.directory, problem)
-    return deleted, problems
+    if self._group is not None and not self._group.leader:
+      return [], []  # process 0 deletes
+    return retention.apply(self.directory, self._retention, self.options)
 
   # ----------------------------------------------------------------------------- restoring
   def read_manifest(self, step_or_dir: int | os.PathLike) -> dict[str, Any]:
@@ -350,12 +356,18 @@ class CheckpointManager:
     step_dir = self._resolve(step_or_dir)
     meta = manifest.read(step_dir)
     single = data_file(meta)
+    # Across processes, or from several files: each process reads its shards' byte ranges.
+    sharded = meta.get('storage') == SAFETENSORS and (jax.process_count() > 1
+                                                      or 'state_files' in meta)
     checksums = verify and self.options.verify_checksums
     if verify:
       # The state file's CRC is checked while it is read below (tensor by tensor when `only`
-      # picks a subset): one pass over the data, not two.
+      # picks a subset, shard by shard across processes): one pass over the data, not two.
       _, problems = manifest.audit(
-          step_dir, meta, checksums=checksums, skip_checksum=[single] if single else [])
+          step_dir,
+          meta,
+          checksums=checksums,
+          skip_checksum=multihost.state_files(meta) or ([single] if single else []))
       if problems:
         raise CheckpointError(
             'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +
@@ -364,7 +376,10 @@ class CheckpointManager:
     want = named_leaves(target)
     saved = {t['name']: t for t in meta['tensors'] if only is None or only(t['name'])}
     check_fits(step_dir, saved, want)
-    if single:
+    if sharded:
+      restored = multihost.restore(
+          step_dir, multihost.shard_table(meta, single), want, checksums=checksums)
+    elif single:
 
       def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         # Each run of arrays as soon as it is read, overlapping the next reads; one batched call

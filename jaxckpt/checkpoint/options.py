@@ -31,8 +31,8 @@ class CheckpointOptions:
     a second copy of the state in device memory while the save is in flight; auto is device when
     the devices report room for that twice over, else host (always host on a CPU).
   storage: safetensors is one safetensors file at disk speed (`statefile`); orbax is
-    orbax-checkpoint's tensorstore files; auto is safetensors when one process holds every
-    array, orbax across processes.
+    orbax-checkpoint's tensorstore files (across processes too, with orbax's own commit); auto
+    is safetensors: across processes, one file per process holding the shards it owns.
   """
   every_steps: int = 0  # save when step % every_steps == 0
   every_secs: float = 0.0  # save when this many seconds passed since the last save
@@ -44,6 +44,9 @@ class CheckpointOptions:
   verify_checksums: bool = True  # check every file's CRC before restoring it
   storage: str = 'auto'  # auto | safetensors | orbax
   staging: str = 'auto'  # auto | host | device
+  # Across processes (jax.distributed): how long a save waits for every process to make its part
+  # durable, and for process 0's commit, before it fails naming the ones missing.
+  barrier_timeout_secs: float = 600.0
 
   def __post_init__(self):
     if self.mode not in MODES:

@@ -204,15 +204,16 @@ def device_has_room(device, nbytes: int) -> bool:
 class DeviceSnapshot:
   """A copy of the state on its own devices, taken without waiting for the host."""
 
-  def __init__(self, leaves: Mapping[str, Any]):
+  def __init__(self, leaves: Mapping[str, Any], parts=None):
     names = list(leaves)
     copies = jax.device_put([leaves[n] for n in names], [leaves[n].sharding for n in names],
                             may_alias=False)
     self.leaves = dict(zip(names, copies))
+    self._parts = parts  # across processes: (leaves) -> (the shards this one writes, places)
 
   def to_host(self, stager: 'HostStager') -> dict[str, np.ndarray]:
     """Stage the snapshot to host memory (on the writer thread) and free its device memory."""
-    staged = stager.stage(self.leaves)
+    staged = stager.stage(self.leaves if self._parts is None else self._parts(self.leaves)[0])
     for x in self.leaves.values():
       x.delete()
     self.leaves = {}

@@ -50,7 +50,7 @@ _CHUNK = 64 << 20
 _READERS = 4  # mostly in the kernel (faulting pages in, waiting on the disk): a few beyond 2 cores
 _UNSET = '00000000'
 _ALIGN_TO = 64
-_DAMAGED = 'the state file is damaged; resume from an earlier checkpoint'
+DAMAGED = _DAMAGED = 'the state file is damaged; resume from an earlier checkpoint'
 
 CODES = {
     'float64': 'F64', 'float32': 'F32', 'float16': 'F16', 'bfloat16': 'BF16', 'int64': 'I64',
@@ -101,13 +101,20 @@ def _plan(key: tuple[tuple[str, tuple[int, ...], str], ...]) -> 'Plan':
 class Plan:
   """Where each tensor goes in the file: names in file order, data offsets, header length."""
 
-  def __init__(self, names, offsets, dtypes, shapes, data_len, header_len, tensors):
+  def __init__(self, names, offsets, dtypes, shapes, data_len, header_len, tensors, extra=None):
     self.names, self.offsets, self.dtypes, self.shapes = names, offsets, dtypes, shapes
     self.data_len, self.header_len, self.tensors = data_len, header_len, tensors
+    self.extra = extra or {}  # more `__metadata__` strings (a shard's place in its array)
+
+  def with_metadata(self, extra: Mapping[str, str]) -> 'Plan':
+    """The same data layout, its header carrying `extra` too (and as long as that needs)."""
+    probe = _header_json(self.tensors, {n: _UNSET for n in self.names}, _UNSET, extra)
+    return Plan(self.names, self.offsets, self.dtypes, self.shapes, self.data_len,
+                -(-(8 + len(probe)) // ALIGN) * ALIGN, self.tensors, extra)
 
   def header(self, crcs: Mapping[str, str], data_crc: str) -> bytes:
     """The first `header_len` bytes of the file: length, JSON, spaces."""
-    text = _header_json(self.tensors, crcs, data_crc)
+    text = _header_json(self.tensors, crcs, data_crc, self.extra)
     out = bytearray(b' ' * self.header_len)
     out[:8] = (self.header_len - 8).to_bytes(8, 'little')
     out[8:8 + len(text)] = text
@@ -126,8 +133,12 @@ def plan(arrays: Mapping[str, Any]) -> Plan:
   return _plan(tuple(key))
 
 
-def _header_json(tensors: Mapping[str, Any], crcs: Mapping[str, str], data_crc: str) -> bytes:
+def _header_json(tensors: Mapping[str, Any],
+                 crcs: Mapping[str, str],
+                 data_crc: str,
+                 extra: Mapping[str, str] | None = None) -> bytes:
   meta = {'format': FORMAT, 'data_crc32': data_crc, **{f'crc32/{n}': c for n, c in crcs.items()}}
+  meta.update(extra or {})
   return json.dumps({'__metadata__': meta, **tensors}, separators=(',', ':')).encode()
 
 
@@ -136,16 +147,18 @@ def write(
     arrays: Mapping[str, np.ndarray],
     *,
     region: np.ndarray | None = None,
-    name: str = file_name(0)
-) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    name: str = file_name(0),
+    metadata: Mapping[str, str] | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
   """Write `arrays` as one safetensors file under `directory`, durably.
 
   `region` is the staging buffer `arrays` are views of, laid out by `plan(arrays)` (see
   `staging.HostStager`): it is written as it is. Without it the tensors are gathered into
-  aligned bounce buffers as they are written. Returns ({file name: {size, crc32}}, {tensor name:
-  crc32}).
+  aligned bounce buffers as they are written. `metadata` adds strings to the header's
+  `__metadata__`. Returns ({file name: {size, crc32}}, {tensor name: crc32}).
   """
   p = plan(arrays)
+  if metadata:
+    p = p.with_metadata(metadata)
   directory.mkdir(parents=True, exist_ok=True)
   fd, _ = open_direct(directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
   crcs: dict[str, str] = {}

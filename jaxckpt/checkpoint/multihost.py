@@ -1,0 +1,333 @@
+"""Checkpoints of a job that spans processes (`jax.distributed`): who writes what, one commit.
+
+    step_00000100/state/process_0.safetensors   the shards process 0 owns
+    step_00000100/state/process_1.safetensors   the shards process 1 owns, ...
+
+Each shard of the state (one distinct index of a global array) is written once in the whole job,
+by one of the processes that hold it: every process computes the same assignment from the
+shardings alone, largest shards first, each to its least loaded holder, so replicated arrays are
+spread over the processes instead of all landing on process 0. A tensor in a process's file is
+named after its array, with its place when it is a part of it (`params/wte/embedding[0:128,0:64]`);
+the file's `__metadata__` (`shard/<tensor>`) and the manifest's tensor table (`shards`) record the
+array, the start in the global shape and the CRC-32 of each.
+
+A save: every process writes its file in the same temporary directory (named after the step, so
+all agree on it) and fsyncs it, posts what it wrote to the `jax.distributed` key-value store and
+waits at a barrier; process 0 then writes `manifest.json` (covering every file) and commits, and
+the others wait for its word. A process that does not arrive within the timeout is named in a
+one-line error, and nothing is committed. A restore reads, on each process, only the byte ranges
+of the shards its devices need, whatever process count and mesh wrote the checkpoint.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import math
+import os
+import zlib
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from . import layout, statefile
+from .checksum import crc32
+from .directio import pread_into
+from .errors import CheckpointError
+
+Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in the global shape
+_READERS = 4
+
+
+def client():
+  """The `jax.distributed` client of this process (None without `jax.distributed.initialize`)."""
+  from jax._src.distributed import global_state  # pylint: disable=import-outside-toplevel
+  return global_state.client
+
+
+class Group:
+  """The processes of one job, as one of them sees them, saving into one checkpoint directory."""
+
+  _opened: dict[str, int] = {}  # managers opened per directory by this process, in order
+
+  def __init__(self, directory: Path, timeout_secs: float):
+    self.index, self.count = jax.process_index(), jax.process_count()
+    self.leader = self.index == 0
+    self.timeout_secs = timeout_secs
+    self._client = client()
+    if self._client is None:
+      raise CheckpointError('E-DIST-001', f'{self.count} processes but no jax.distributed client',
+                            'call jax.distributed.initialize() before opening a manager')
+    key = str(directory)
+    opened = Group._opened[key] = Group._opened.get(key, -1) + 1
+    self.prefix = f'jaxckpt/{zlib.crc32(key.encode()):08x}/{opened}'
+
+  def temporary_dir(self, root: Path, step: int) -> Path:
+    """The name every process writes its part under: the same on all, from the step alone."""
+    return root / f'{layout.step_dirname(step)}.tmp-{step:012x}'
+
+  def sync(self, name: str, what: str, payload: str = '') -> list[str]:
+    """Post `payload`, wait until every process has posted its own, and return them all (in
+    process order). E-DIST-002 names the processes that did not arrive within the timeout."""
+    self._client.key_value_set(f'{self.prefix}/{name}/{self.index}', payload, allow_overwrite=True)
+    try:
+      self._client.wait_at_barrier(f'{self.prefix}/{name}', int(self.timeout_secs * 1000))
+    except Exception as e:  # pylint: disable=broad-except  # the runtime's own error types
+      late = sorted(set(range(self.count)) - set(self._posted(name)))
+      raise CheckpointError(
+          'E-DIST-002', f'{what}: process(es) {late or "?"} of {self.count} did not arrive '
+          f'within {self.timeout_secs:g} s ({" ".join(str(e).split())[:160]})',
+          'they stopped, were lost or are far behind; nothing was committed') from None
+    return [v for _, v in sorted(self._posted(name).items())]
+
+  def _posted(self, name: str) -> dict[int, str]:
+    try:
+      found = self._client.key_value_dir_get(f'{self.prefix}/{name}/')
+    except Exception:  # pylint: disable=broad-except
+      return {}
+    return {int(k.rsplit('/', 1)[1]): v for k, v in found}
+
+  def announce(self, name: str, word: str) -> None:
+    self._client.key_value_set(f'{self.prefix}/{name}/word', word, allow_overwrite=True)
+
+  def await_word(self, name: str, what: str) -> str:
+    """Process 0's word on `name` (its commit: 'ok' or the error); E-DIST-002 past the timeout."""
+    try:
+      return self._client.blocking_key_value_get(f'{self.prefix}/{name}/word',
+                                                 int(self.timeout_secs * 1000))
+    except Exception as e:  # pylint: disable=broad-except
+      raise CheckpointError(
+          'E-DIST-002', f'{what}: no word from process 0 within {self.timeout_secs:g} s '
+          f'({" ".join(str(e).split())[:160]})', 'process 0 stopped or was lost; '
+          'nothing was committed') from None
+
+  def forget(self, name: str) -> None:
+    """Drop the keys of a finished exchange (every process has read them)."""
+    try:
+      self._client.key_value_delete(f'{self.prefix}/{name}/')
+    except Exception:  # pylint: disable=broad-except  # only memory in the coordinator
+      pass
+
+
+# ------------------------------------------------------------------------------- ownership
+def _box(index, shape) -> Box:
+  return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+
+
+def tensor_name(array: str, box: Box, shape) -> str:
+  """`array` when the shard is the whole array, else `array[a:b,c:d]`."""
+  if all(a == 0 and b == n for (a, b), n in zip(box, shape)):
+    return array
+  return f'{array}[{",".join(f"{a}:{b}" for a, b in box)}]'
+
+
+@functools.lru_cache(maxsize=8)
+def _owners(key, count: int) -> dict[tuple[int, Box], int]:
+  """{(leaf number, box): owning process} for leaves described by `key`: every process computes
+  the same from the shardings alone. Largest shards first, each to its least loaded holder."""
+  items = []
+  for i, (_, shape, itemsize, sharding) in enumerate(key):
+    if sharding is None:  # a host value every process has
+      boxes = {tuple((0, n) for n in shape): set(range(count))}
+    else:
+      boxes = {}
+      for device, index in sharding.devices_indices_map(shape).items():
+        boxes.setdefault(_box(index, shape), set()).add(device.process_index)
+    for box, holders in boxes.items():
+      items.append((math.prod(b - a for a, b in box) * itemsize, i, box, sorted(holders)))
+  load = [0] * count
+  owners = {}
+  for nbytes, i, box, holders in sorted(items, key=lambda t: (-t[0], t[1], t[2])):
+    owner = min(holders, key=lambda p: (load[p], p))
+    load[owner] += nbytes
+    owners[(i, box)] = owner
+  return owners
+
+
+def owned_parts(leaves: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict]]:
+  """(parts, places): the shards this process writes, as {tensor name: single-device array or
+  host array}, and {tensor name: {'array', 'start', 'global_shape'}}."""
+  key = tuple((n, tuple(np.shape(x)), np.dtype(x.dtype).itemsize,
+               x.sharding if isinstance(x, jax.Array) else None) for n, x in leaves.items())
+  me = jax.process_index()
+  parts, places = {}, {}
+  for (i, box), owner in _owners(key, jax.process_count()).items():
+    if owner != me:
+      continue
+    name, x = key[i][0], leaves[key[i][0]]
+    shape = tuple(np.shape(x))
+    if isinstance(x, jax.Array):
+      data = next(s.data for s in x.addressable_shards if _box(s.index, shape) == box)
+    else:
+      data = np.asarray(x)
+    tensor = tensor_name(name, box, shape)
+    parts[tensor] = data
+    places[tensor] = {'array': name, 'start': [a for a, _ in box], 'global_shape': list(shape)}
+  order = {n: i for i, n in enumerate(leaves)}  # file plan and manifest follow the leaf order
+  ranked = sorted(parts, key=lambda t: (order[places[t]['array']], places[t]['start']))
+  return {t: parts[t] for t in ranked}, {t: places[t] for t in ranked}
+
+
+def header_metadata(places: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+  return {f'shard/{t}': json.dumps(p, separators=(',', ':')) for t, p in places.items()}
+
+
+def part_record(rel: str, written: Mapping[str, Any], crcs: Mapping[str, str],
+                places: Mapping[str, Mapping[str, Any]], shapes: Mapping[str, Any]) -> str:
+  """What a process posts about its file: its size, CRC and shards (for process 0's manifest)."""
+  shards = [{
+      'array': p['array'], 'file': rel, 'tensor': t, 'start': p['start'], 'shape': list(shapes[t]),
+      'crc32': crcs[t]
+  } for t, p in places.items()]
+  return json.dumps({'file': rel, **written, 'shards': shards}, separators=(',', ':'))
+
+
+def merge_records(records: list[str], table: list[dict]) -> tuple[dict[str, dict], list[dict]]:
+  """({file: {size, crc32}}, the tensor table with each tensor's `shards`) from every process's
+  `part_record`."""
+  files, shards = {}, {}
+  for record in map(json.loads, records):
+    files[record['file']] = {'size': record['size'], 'crc32': record['crc32']}
+    for s in record['shards']:
+      shards.setdefault(s.pop('array'), []).append(s)
+  return files, [{**row, 'shards': shards.get(row['name'], [])} for row in table]
+
+
+# ------------------------------------------------------------------------------- reading
+def shard_table(meta: Mapping[str, Any], single: str | None) -> dict[str, list[dict]]:
+  """{array: [shard rows]} of a checkpoint: its `shards`, or for a single-file one, each tensor
+  as one whole shard of `single`."""
+  out = {}
+  for row in meta['tensors']:
+    out[row['name']] = row.get('shards') or [{
+        'file': single, 'tensor': row['name'], 'start': [0] * len(row['shape']),
+        'shape': row['shape'], 'crc32': row.get('crc32')
+    }]
+  return out
+
+
+def state_files(meta: Mapping[str, Any]) -> list[str]:
+  return list(meta.get('state_files') or [])
+
+
+class _Files:
+  """Open state files and their headers, each read once."""
+
+  def __init__(self, step_dir: Path):
+    self.step_dir, self.open = step_dir, {}
+
+  def entry(self, rel: str, tensor: str) -> tuple[int, int, dict]:
+    if rel not in self.open:
+      path = layout.safe_member(self.step_dir, rel)
+      fd = os.open(path, os.O_RDONLY)
+      header_len, entries, _ = statefile.read_header(path, fd)
+      self.open[rel] = (fd, header_len, entries)
+    fd, header_len, entries = self.open[rel]
+    if tensor not in entries:
+      raise CheckpointError('E-CKPT-012', f'{self.step_dir / rel}: {tensor} is not in the file',
+                            statefile.DAMAGED)
+    return fd, header_len, entries[tensor]
+
+  def close(self) -> None:
+    for fd, _, _ in self.open.values():
+      os.close(fd)
+
+
+def fill(step_dir: Path, shards: Mapping[str, list[dict]], boxes: Mapping[str, dict[Box, Any]],
+         dtypes: Mapping[str, Any], *, checksums: bool) -> None:
+  """Fill each buffer `boxes[array][box]` (a host array of the box's extent) from the shards
+  that overlap it, reading only the byte range of each shard that covers the overlap."""
+  files = _Files(step_dir)
+  jobs = []
+  try:
+    with concurrent.futures.ThreadPoolExecutor(
+        _READERS, thread_name_prefix='jaxckpt-shard') as pool:
+      for array, wanted in boxes.items():
+        dtype = np.dtype(dtypes[array])
+        for box, buf in wanted.items():
+          covered = 0
+          for s in shards[array]:
+            local = [(max(a, b0) - b0, min(b, b0 + n) - b0)
+                     for (a, b), b0, n in zip(box, s['start'], s['shape'])]
+            if any(lo >= hi for lo, hi in local):
+              continue
+            covered += math.prod(hi - lo for lo, hi in local)
+            fd, header_len, entry = files.entry(s['file'], s['tensor'])
+            if entry['shape'] != list(s['shape']) or statefile.DTYPES[entry['dtype']] != dtype:
+              raise CheckpointError(
+                  'E-CKPT-012', f'{step_dir / s["file"]}: {s["tensor"]} is '
+                  f'{entry["dtype"]}{entry["shape"]}, the manifest says {dtype}{s["shape"]}',
+                  statefile.DAMAGED)
+            jobs.append(
+                pool.submit(_read_into, fd, header_len + entry['data_offsets'][0], s, local, box,
+                            buf, dtype, checksums and s.get('crc32')))
+          if covered != math.prod(b - a for a, b in box):
+            raise CheckpointError('E-CKPT-012', f'{step_dir}: the shards of {array} do not cover '
+                                  f'{list(box)}', statefile.DAMAGED)
+      for job in jobs:
+        job.result()
+  finally:
+    files.close()
+
+
+def _read_into(fd, offset, shard, local, box, buf, dtype, expect) -> None:
+  """Read the row-major byte range of `shard` that holds its part `local` and copy that part to
+  where it lies in `buf` (whose extent is `box`)."""
+  shape = list(shard['shape'])
+  strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
+  first = sum(lo * st for (lo, _), st in zip(local, strides))
+  last = sum((hi - 1) * st for (_, hi), st in zip(local, strides))
+  count = last - first + 1
+  raw = np.empty(count * dtype.itemsize, np.uint8)
+  if pread_into(fd, memoryview(raw), offset + first * dtype.itemsize) < len(raw):
+    raise CheckpointError('E-CKPT-012', f'{shard["file"]}: {shard["tensor"]} ends early',
+                          statefile.DAMAGED)
+  if expect and count == math.prod(shape) and f'{crc32(raw):08x}' != expect:
+    raise CheckpointError(
+        'E-CKPT-003', f'{shard["file"]}: {shard["tensor"]}: checksum '
+        f'mismatch (manifest says {expect})', 'resume from an earlier checkpoint')
+  part = np.lib.stride_tricks.as_strided(
+      raw.view(dtype), [hi - lo for lo, hi in local], [st * dtype.itemsize for st in strides])
+  at = tuple(
+      slice(b0 + lo - a, b0 + hi - a) for (lo, hi), b0, (a, _) in zip(local, shard['start'], box))
+  buf[at] = part
+
+
+def restore(step_dir: Path, shards: Mapping[str, list[dict]], want: Mapping[str, Any], *,
+            checksums: bool) -> dict[str, jax.Array]:
+  """The arrays `want` ({name: target with shape, dtype, sharding}), each process reading just
+  what its devices hold."""
+  boxes = {}
+  for name, x in want.items():
+    shape = tuple(x.shape)
+    wanted = {_box(i, shape) for i in x.sharding.addressable_devices_indices_map(shape).values()}
+    boxes[name] = {b: np.empty([hi - lo for lo, hi in b], x.dtype) for b in wanted}
+  fill(step_dir, shards, boxes, {n: x.dtype for n, x in want.items()}, checksums=checksums)
+  return {
+      name:
+          jax.make_array_from_callback(
+              tuple(x.shape), x.sharding, lambda i, b=boxes[name], s=tuple(x.shape): b[_box(i, s)])
+      for name, x in want.items()
+  }
+
+
+def read_host(step_dir: Path, meta: Mapping[str, Any], names=None) -> dict[str, np.ndarray]:
+  """Whole arrays (all, or `names`) of a checkpoint written by several processes, on the host."""
+  rows = [r for r in meta['tensors'] if names is None or r['name'] in names]
+  boxes = {
+      r['name']: {tuple((0, n) for n in r['shape']): np.empty(r['shape'], _dtype(r['dtype']))}
+      for r in rows
+  }
+  fill(
+      step_dir,
+      shard_table(meta, None),
+      boxes, {r['name']: _dtype(r['dtype']) for r in rows},
+      checksums=True)
+  return {n: next(iter(b.values())) for n, b in boxes.items()}
+
+
+def _dtype(name: str) -> np.dtype:
+  return statefile.DTYPES[statefile.CODES[name]]

@@ -1,0 +1,153 @@
+"""The checkpoint library across real jax.distributed processes (CPU, gloo), one machine.
+
+Each test starts N processes of this file (`python tests/test_multihost.py CMD ...`, see
+`worker`), each with 2 CPU devices; the mesh spans every process's devices. The state's values
+are a pure function of nothing, so any process count can check what it restored, byte for byte.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from conftest import assert_same_bytes, finish_processes, start_processes
+
+SPECS = {  # name: (shape, dtype, partition spec over ('data', 'model'))
+    'params/w': ((8, 16), 'float32', ('data', 'model')),
+    'params/b': ((16,), 'float32', ('model',)),
+    'params/e': ((12, 8), 'float32', ()),
+    'params/rows': ((8, 5), 'float32', ('data', None)),
+    'opt/count': ((), 'int32', ()),
+    'opt/h': ((6,), 'bfloat16', ()),
+}
+
+
+def expected() -> dict[str, np.ndarray]:
+  import ml_dtypes
+  rng = np.random.default_rng(0)
+  out = {}
+  for name, (shape, dtype, _) in SPECS.items():
+    values = rng.standard_normal(shape) * 100
+    out[name] = values.astype(ml_dtypes.bfloat16 if dtype == 'bfloat16' else dtype)
+  return out
+
+
+def worker(cmd: str, process: int, count: int, coordinator: str, directory: str, *rest: str):
+  """One process: `save STEP [storage]`, `restore [storage]` (check every shard, save STEP+1) or
+  `stall` (open the manager, never save)."""
+  import jax
+  jax.config.update('jax_num_cpu_devices', 2)
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.config.update('jax_enable_preemption_service', False)
+  if count > 1:
+    jax.distributed.initialize(coordinator, num_processes=count, process_id=process)
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jaxckpt.checkpoint import CheckpointError, CheckpointManager, CheckpointOptions
+  devices = jax.devices()
+  mesh = Mesh(np.asarray(devices).reshape(len(devices) // 2, 2), ('data', 'model'))
+  want = expected()
+  shardings = {n: NamedSharding(mesh, P(*spec)) for n, (_, _, spec) in SPECS.items()}
+  storage = rest[-1] if rest and not rest[-1].isdigit() else 'auto'
+  timeout = 3.0 if cmd == 'stall' else 120.0
+  mgr = CheckpointManager(directory,
+                          CheckpointOptions(storage=storage, barrier_timeout_secs=timeout))
+  if cmd in ('save', 'stall'):
+    state = {
+        n: jax.make_array_from_callback(x.shape, shardings[n], lambda i, x=x: x[i])
+        for n, x in want.items()
+    }
+    if cmd == 'stall' and process == 1:
+      return  # never saves: process 0 must give up within its timeout, naming it
+    try:
+      mgr.save(int(rest[0]), state, {'note': 'hello'})
+      mgr.close()
+    except CheckpointError as e:
+      print(f'ERROR {e}', flush=True)
+      sys.exit(3)
+    print('saved', flush=True)
+    return
+  target = {
+      n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[n]) for n, x in want.items()
+  }
+  step = mgr.latest_step()
+  state, run_state = mgr.restore(step, target)
+  assert run_state['note'] == 'hello', run_state
+  for name, x in state.items():
+    for shard in x.addressable_shards:
+      got = np.asarray(shard.data)
+      assert got.tobytes() == want[name][shard.index].tobytes(), (name, shard.index)
+  mgr.save(step + 1, state, {'note': 'hello'})  # and the run goes on from what it restored
+  mgr.close()
+  print(f'restored {step} on {count} process(es)', flush=True)
+
+
+def run(tmp, compile_cache, cmd: str, count: int, *args: str, timeout: float = 240):
+  procs = start_processes(
+      lambda k, coordinator:
+      [sys.executable, __file__, cmd,
+       str(k), str(count), coordinator,
+       str(tmp), *args],
+      count,
+      cache=compile_cache)
+  return finish_processes(procs, timeout)
+
+
+def assert_all_ok(results, word: str) -> None:
+  for k, (code, out) in enumerate(results):
+    assert code == 0 and word in out, f'process {k} exited {code}:\n{out[-3000:]}'
+
+
+def step_dir(tmp, step: int) -> Path:
+  return Path(tmp) / f'step_{step:08d}'
+
+
+def test_four_processes_write_their_shards_once_and_restore_on_two_then_one(
+    tmp_path, compile_cache):
+  from jaxckpt.checkpoint.formats import read_host_arrays
+  from safetensors.numpy import load_file
+  assert_all_ok(run(tmp_path, compile_cache, 'save', 4, '1'), 'saved')
+  meta = json.loads((step_dir(tmp_path, 1) / 'manifest.json').read_text())
+  files = [f'state/process_{k}.safetensors' for k in range(4)]
+  assert meta['state_files'] == files and all(f in meta['files'] for f in files)
+  # Each shard is written once in the whole job, and the four files share the work.
+  held = {f: load_file(step_dir(tmp_path, 1) / f) for f in files}
+  assert all(held.values()), {f: list(t) for f, t in held.items()}
+  for row in meta['tensors']:
+    total = sum(int(np.prod(s['shape'])) for s in row['shards'])
+    assert total == int(np.prod(row['shape'])), row
+  # Any reader assembles the arrays from the shards, bytes as saved.
+  assert_same_bytes(read_host_arrays(step_dir(tmp_path, 1)), expected())
+
+  assert_all_ok(run(tmp_path, compile_cache, 'restore', 2), 'restored 1 on 2')
+  assert_same_bytes(read_host_arrays(step_dir(tmp_path, 2)), expected())
+  assert len(json.loads((step_dir(tmp_path, 2) / 'manifest.json').read_text())['state_files']) == 2
+  assert_all_ok(run(tmp_path, compile_cache, 'restore', 1), 'restored 2 on 1')
+  # One process writes the single-process file, exactly as before.
+  meta = json.loads((step_dir(tmp_path, 3) / 'manifest.json').read_text())
+  assert 'state_files' not in meta and 'shards' not in meta['tensors'][0]
+  assert_same_bytes(load_file(step_dir(tmp_path, 3) / 'state/process_0.safetensors'), expected())
+
+
+def test_one_process_checkpoint_restores_on_two(tmp_path, compile_cache):
+  assert_all_ok(run(tmp_path, compile_cache, 'save', 1, '5'), 'saved')
+  assert_all_ok(run(tmp_path, compile_cache, 'restore', 2), 'restored 5 on 2')
+
+
+def test_orbax_saves_and_restores_across_two_processes(tmp_path, compile_cache):
+  from jaxckpt.checkpoint.formats import read_host_arrays
+  assert_all_ok(run(tmp_path, compile_cache, 'save', 2, '1', 'orbax'), 'saved')
+  meta = json.loads((step_dir(tmp_path, 1) / 'manifest.json').read_text())
+  assert meta['storage'] == 'orbax'
+  assert_all_ok(run(tmp_path, compile_cache, 'restore', 2, 'orbax'), 'restored 1 on 2')
+  assert_same_bytes(read_host_arrays(step_dir(tmp_path, 2)), expected())
+
+
+def test_a_process_that_never_arrives_is_named_and_nothing_is_committed(tmp_path, compile_cache):
+  (code0, out0), (code1, _) = run(tmp_path, compile_cache, 'stall', 2, '1')
+  assert code0 == 3 and 'E-DIST-002' in out0 and 'process(es) [1] of 2' in out0, out0[-3000:]
+  assert not (step_dir(tmp_path, 1) / 'manifest.json').exists()
+
+
+if __name__ == '__main__':
+  worker(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *sys.argv[4:])
