@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.bandit.update_every = 10  # steps between reward updates (one host sync each)
 
   config.samples = ml_collections.ConfigDict()
-  config.samples.every = -1  # steps between samples (-1: the checkpoint cadence; 0: off)
+  config.samples.every = -1  # steps between samples (-1: checkpoint.every, off when auto; 0: off)
   config.samples.count = 3  # samples per round
   config.samples.length = 48  # new bytes per sample
   config.samples.prompt = 'The '  # what each sample starts from
@@ -65,14 +65,28 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.model = 1  # devices on the model axis (tensor parallelism)
 
   config.checkpoint = ml_collections.ConfigDict()
-  config.checkpoint.every = 100  # steps between checkpoints (0: off); the last step always saves
+  # Steps between checkpoints (0: off), or 'auto': Young-Daly from the measured cost of a
+  # checkpoint and the run's interruptions (README: Checkpoint cadence). The last step saves too.
+  config.checkpoint.every = ml_collections.FieldReference(100, field_type=object)  # int or 'auto'
   config.checkpoint.secs = 0.0  # seconds between checkpoints (0: off)
+  config.checkpoint.epochs = 0  # also save when every N-th epoch of the training data ends (0: off)
+  # auto: the prior mean time between interruptions (90s, 15m, 6h, 30d), until the run's own
+  # history outweighs it; 6h is the geometric middle of what preemptible machines see.
+  config.checkpoint.mtbi = ml_collections.FieldReference('6h', field_type=object)
+  config.checkpoint.min_secs = 0.0  # auto: the shortest interval (0: none but durability)
+  config.checkpoint.max_secs = 0.0  # auto: the longest interval (0: none)
   config.checkpoint.mode = 'auto'  # async | sync | auto (async when a host copy fits in memory)
   config.checkpoint.keep = 3  # newest checkpoints kept (0: all)
   config.checkpoint.keep_every = 0  # steps divisible by this are kept forever (0: off)
   config.checkpoint.keep_best = 0  # also keep the N of lowest held-out loss (see train.eval_every)
   config.checkpoint.storage = 'auto'  # safetensors (1 file, disk speed) | orbax; auto: by processes
   config.checkpoint.staging = 'auto'  # host | device (a 2nd copy in device memory) | auto
+  # The durable tier (README: Remote checkpoints): s3://bucket/prefix, gs://bucket/prefix or a
+  # path on a mounted disk. Each local commit is uploaded in the background (manifest last); a
+  # fresh machine with an empty workdir resumes from there ('': off).
+  config.checkpoint.remote = ''
+  config.checkpoint.remote_lease_secs = 60.0  # a writer's lease not renewed this long is taken over
+  config.checkpoint.stop_grace_secs = 25.0  # after a stop signal: time to make the last one durable
 
   # Exports under <workdir>/exports/, written from a checkpoint's host copy after it commits.
   config.export = ml_collections.ConfigDict()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jaxckpt import bandit as bandit_lib
 from jaxckpt import init_from as init_from_lib
-from jaxckpt.checkpoint import ArgumentError, CheckpointOptions
+from jaxckpt.checkpoint import ArgumentError, CheckpointOptions, cadence
 from jaxckpt.errors import ConfigError
 from jaxckpt.export import during_training
 
@@ -45,6 +45,7 @@ def validate_config(config) -> None:
   bandit_lib.validate(config.bandit, list(config.data.sources))
   init_from_lib.validate(config)
   checkpoint_options(config)  # validates mode and counts
+  cadence_options(config)  # validates the automatic cadence's prior and bounds
   during_training.options_from_config(config)  # validates export cadence, formats, retention
 
 
@@ -52,8 +53,9 @@ def checkpoint_options(config):
   """The checkpoint library's options for `config.checkpoint`; a bad value is a ConfigError."""
   c = config.checkpoint
   try:
+    every = cadence.parse_every(c.every)
     return CheckpointOptions(
-        every_steps=c.every,
+        every_steps=0 if every == cadence.AUTO else every,  # auto: the trainer's SaveCadence
         every_secs=c.secs,
         mode=c.mode,
         keep=c.keep,
@@ -66,3 +68,21 @@ def checkpoint_options(config):
         e.code, e.what, 'set --checkpoint_every, --checkpoint_secs, --checkpoint_mode, '
         '--checkpoint_staging, --keep, --keep_every, --keep_best or --config.checkpoint.*'
     ) from None
+
+
+def cadence_options(config) -> cadence.CadenceOptions:
+  """What `--checkpoint_every=auto` is told (`config.checkpoint.mtbi`, `min_secs`, `max_secs`)
+  and the per-epoch rule checked; a bad value is a ConfigError."""
+  c = config.checkpoint
+  try:
+    if c.get('epochs', 0) < 0:
+      raise ArgumentError('E-CONFIG-004', f'checkpoint epochs={c.epochs} is negative',
+                          'use 0 to turn it off')
+    return cadence.CadenceOptions(
+        mtbi_s=cadence.parse_duration(c.get('mtbi', cadence.DEFAULT_MTBI_S)),
+        min_secs=c.get('min_secs', 0.0),
+        max_secs=c.get('max_secs', 0.0))
+  except ArgumentError as e:
+    raise ConfigError(
+        e.code, f'checkpoint cadence: {e.what}', f'{e.fix} (--checkpoint_mtbi, '
+        '--checkpoint_min_secs, --checkpoint_max_secs, --checkpoint_epochs)') from None

@@ -17,6 +17,7 @@ import numpy as np
 from absl import logging
 
 from jaxckpt import bandit as bandit_lib
+from jaxckpt import distributed
 from jaxckpt import identity, names, phases
 from jaxckpt import init_from as init_from_lib
 from jaxckpt import model as model_lib
@@ -95,14 +96,19 @@ def start(session: Session, resume: str, resume_dir: Path | None) -> tuple[Train
   known_bad: dict[Path, str] = {}
   while True:
     try:
-      return _start_from(session, resume_dir)
+      started, problem = _start_from(session, resume_dir), None
     except CheckpointError as e:
       # Damage found while reading: data that fails its checksum, a state file whose header lies.
       if resume != 'latest' or resume_dir is None or e.code not in ('E-CKPT-003', 'E-CKPT-012'):
         raise
-      logging.warning('passing over %s: %s', resume_dir, e.what)
-      known_bad[resume_dir] = e.what
-      resume_dir = find_resume_point(resume, session.mgr.directory, known_bad)
+      started, problem = None, e.what
+    # Across processes each one read its own shards: all pass over what any one found damaged.
+    problem = distributed.first_problem(f'resume/{len(known_bad)}', problem)
+    if problem is None:
+      return started
+    logging.warning('passing over %s: %s', resume_dir, problem)
+    known_bad[resume_dir] = problem
+    resume_dir = find_resume_point(resume, session.mgr.directory, known_bad)
 
 
 def _start_from(session: Session, resume_dir: Path | None) -> tuple[TrainState, int]:
@@ -128,6 +134,7 @@ def _start_from(session: Session, resume_dir: Path | None) -> tuple[TrainState, 
       step=step,
       segment=runlog.segment,
       devices=jax.device_count(),
+      processes=jax.process_count(),
       mesh=dict(session.trainer.mesh.shape))
   if resume_dir is not None:
     runlog.event('resumed', step=step, path=str(resume_dir), changes=changes)
@@ -148,6 +155,7 @@ def _start_from(session: Session, resume_dir: Path | None) -> tuple[TrainState, 
       state='running',
       step=step,
       total_steps=config.train.steps,
+      processes=jax.process_count(),
       last_checkpoint=mgr.latest_step(),
       phase=session.bandit.state['phase'],
       error=None)

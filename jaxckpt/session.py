@@ -31,6 +31,7 @@ class Session:
   identity: dict[str, Any]
   bandit: bandit_lib.Bandit | None = None
   resumed_from: Path | None = None  # the checkpoint directory (or .bin) this start restored
+  remote: Any = None  # the `remote_run.RemoteRun` of --remote, if any
   # The frozen parameters read from init_from, by dotted name. No checkpoint holds them (a resume
   # reads the pinned file again); the exporter gets them from here.
   file_frozen: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)

@@ -14,6 +14,7 @@ library itself in `jaxckpt.checkpoint`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -23,16 +24,19 @@ import jax
 import ml_collections
 from absl import logging
 
+from jaxckpt import agreement, distributed
 from jaxckpt import data as data_lib
 from jaxckpt import identity, phases, provenance as provenance_lib
 from jaxckpt import resume as resume_lib
 from jaxckpt import init_from as init_from_lib
 from jaxckpt.checkpoint import CheckpointManager, CommitInfo, signals
-from jaxckpt.config import checkpoint_options, validate_config
+from jaxckpt.config import cadence_options, checkpoint_options, validate_config
 from jaxckpt.export import during_training
+from jaxckpt.remote_run import RemoteRun
 from jaxckpt.runlog import RunLog
+from jaxckpt.save_cadence import SaveCadence
 from jaxckpt.session import Session
-from jaxckpt.workdir import WorkdirLock, checkpoints_dir, exports_dir
+from jaxckpt.workdir import checkpoints_dir, exports_dir
 from jaxckpt.trainer import (TrainState, Trainer, build_trainer, check_finite, evaluate,
                              generate_samples, make_schedule)
 
@@ -67,8 +71,8 @@ def run_identity(trainer: Trainer,
 class _Progress:
   """Turns per-step metrics into loss rows and progress lines without syncing every step."""
 
-  def __init__(self, trainer: Trainer, runlog: RunLog, start_step: int):
-    self.trainer, self.runlog = trainer, runlog
+  def __init__(self, trainer: Trainer, runlog: RunLog, start_step: int, note=lambda: ''):
+    self.trainer, self.runlog, self.note = trainer, runlog, note  # note: the cadence's
     self.schedule = make_schedule(trainer.config.train)
     self.pending: list[tuple[int, dict]] = []
     self.t_start, self.step_start = time.perf_counter(), start_step
@@ -93,9 +97,9 @@ class _Progress:
       elapsed = time.perf_counter() - self.t_start
       rate = (step - self.step_start) / elapsed if elapsed > 0 else 0.0
       eta = (total - step) / rate if rate > 0 else float('nan')
-      logging.info('step %d/%d  loss %.4f  lr %.2e  %s tok/s  eta %s', step, total, loss,
+      logging.info('step %d/%d  loss %.4f  lr %.2e  %s tok/s  eta %s%s', step, total, loss,
                    float(self.schedule(step - 1)), f'{rate * self.tokens_per_step:,.0f}',
-                   time.strftime('%H:%M:%S', time.gmtime(eta)) if eta == eta else '?')
+                   time.strftime('%H:%M:%S', time.gmtime(eta)) if eta == eta else '?', self.note())
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict,
@@ -115,14 +119,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   """
   validate_config(config)
   workdir = Path(workdir)
-  with watcher or signals.PreemptionWatcher() as watcher, WorkdirLock(workdir) as lock:
+  with watcher or signals.PreemptionWatcher() as watcher, distributed.run_lock(workdir) as lock, \
+      RemoteRun.opened(config, workdir, distributed.leader()) as remote:  # before any compile
     ckpt_dir = checkpoints_dir(workdir)
+    if remote is not None:  # a newer remote checkpoint (and its records) comes down
+      remote.sync_down(ckpt_dir, fetch=resume == 'latest')
+    distributed.first_problem('remote_synced', None)  # the others wait for process 0's download
     resume_dir = resume_lib.find_resume_point(resume, ckpt_dir)
     dataset = data_lib.from_config(config)
     trainer = build_trainer(config)
     pin = init_from_lib.pin(config.train.get('init_from', ''), fresh=resume_dir is None)
-    runlog = RunLog(workdir)
+    runlog = distributed.run_log(workdir)  # process 0 writes the records
     exporter = during_training.Exporter(exports_dir(workdir), config, runlog)  # cleans debris
+    # Built before this start is recorded: it reads the earlier starts' interruptions.
+    cadence = SaveCadence(
+        config, runlog, cadence_options(config), epoch=dataset.epoch, state=trainer.abstract_state)
 
     def on_commit(info: CommitInfo) -> None:
       runlog.event(
@@ -138,13 +149,24 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         runlog.event('retention_failed', step=info.step, problems=list(info.retention_errors))
       runlog.status(last_checkpoint=info.step, last_checkpoint_path=str(info.path))
       # From the host copy this checkpoint staged, on the save thread; the next save waits.
-      # (`session` is bound below, before the first save.)
-      exported = exporter.on_commit(
+      # (`session` is bound below, before the first save.) Across processes it holds this
+      # process's shards alone: export the checkpoint afterwards (`jaxckpt export`).
+      exported = distributed.current().count == 1 and exporter.on_commit(
           session.for_export(info), stopping=watcher.stop_signal is not None)
       if exported:
         runlog.status(last_export=exported['step'])
+      if remote is not None:
+        remote.on_commit(info)  # the uploader takes it from here
+      cadence.committed(info)  # committed: the next automatic save may start (when durable)
 
-    mgr = CheckpointManager(ckpt_dir, checkpoint_options(config), on_commit=on_commit)
+    mgr = CheckpointManager(
+        ckpt_dir,
+        dataclasses.replace(
+            checkpoint_options(config), barrier_timeout_secs=distributed.current().timeout_secs),
+        on_commit=on_commit)
+    if remote is not None:
+      remote.attach(runlog, mgr.options, ckpt_dir)
+      cadence.durable = remote.chain(cadence.durable)  # durable means uploaded too
     if lock.previous_holder:
       runlog.event('lock_taken_over', previous=lock.previous_holder)
       logging.info('took over the lock of pid %s (not running)', lock.previous_holder.get('pid'))
@@ -155,13 +177,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         runlog,
         watcher,
         workdir,
-        identity=run_identity(trainer, provenance, init_from=pin))
+        identity=run_identity(trainer, provenance, init_from=pin),
+        remote=remote)
     try:
       state, step = resume_lib.start(session, resume, resume_dir)
-      return _loop(session, state, step)
+      return _loop(session, state, step, cadence)
     except signals.Interrupted:
       raise
     except BaseException as e:
+      distributed.explain(e)  # a lost process, not what it broke, is why the run stopped
       try:
         mgr.close()
       except Exception as close_error:  # the original error is the one to raise; say both
@@ -175,30 +199,37 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       mgr.close()
 
 
-def _loop(session: Session, state: TrainState, step: int) -> TrainState:
+def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) -> TrainState:
   trainer, dataset, mgr, runlog, watcher = (session.trainer, session.dataset, session.mgr,
                                             session.runlog, session.watcher)
   config, total = trainer.config, trainer.config.train.steps
-  progress = _Progress(trainer, runlog, step)
+  progress = _Progress(trainer, runlog, step, cadence.note)
   first_step = step
+  cadence.start(step)  # the interval counts from here
   # The step this run continues from is on disk when it came from this workdir's own checkpoint.
   restored_here = (
       session.resumed_from is not None
       and session.resumed_from.resolve() == mgr.step_dir(step).resolve())
   saved = {step} if restored_here else set()
   heldout: dict[int, float] = {}  # step -> held-out loss, for the checkpoint of that step
-  sample_every = config.samples.every if config.samples.every >= 0 else config.checkpoint.every
+  sample_every = config.samples.every if config.samples.every >= 0 else mgr.options.every_steps
 
   def save(step: int) -> None:
+    cadence.saving(step)
     if config.train.guard_finite:
       check_finite(trainer, state, step)
-    progress.flush(log=False)  # the loss history covers every step a checkpoint covers
+    with cadence.aside():  # rows the next progress line writes anyway: not the save's cost
+      progress.flush(log=False)  # the loss history covers every step a checkpoint covers
     counters = {
         'step': step, 'data_position': step, 'epoch': dataset.epoch(step),
         'tokens_seen': step * progress.tokens_per_step
     }
     bandit_state = session.bandit.snapshot()
     run_state = {'seed': config.seed, **counters, 'bandit': bandit_state}
+    if distributed.leader():
+      phases.write_bandit_mirror(session.workdir, step, bandit_state)
+    if session.remote is not None:
+      session.remote.capture(step)  # the records that travel with this checkpoint
     mgr.save(
         step,
         state,
@@ -212,14 +243,17 @@ def _loop(session: Session, state: TrainState, step: int) -> TrainState:
             'metrics': {'heldout_loss': heldout[step]} if step in heldout else {}
         },
         exclude=session.not_saved if session.file_frozen else None)
-    phases.write_bandit_mirror(session.workdir, step, bandit_state)
     saved.add(step)
+    cadence.saved(step)
 
-  while step < total and watcher.stop_signal is None:
+  # Across processes: the same saves and the same stop on every one (`jaxckpt.agreement`).
+  agree = agreement.Agreement(watcher, step, clocked=mgr.options.every_secs > 0)
+  while step < total and agree.stop_signal is None:
     arm = session.bandit.choose(step)
     state, metrics = trainer.train_step(state, trainer.put_batch(dataset.batch(step, arm)))
     step += 1
     progress.add(step, metrics)
+    cadence.after_step(step, metrics)
     session.bandit.record(step, arm, metrics['loss'])
     if step % config.train.log_every == 0 or step == total:
       progress.flush(log=True)
@@ -228,10 +262,11 @@ def _loop(session: Session, state: TrainState, step: int) -> TrainState:
       heldout[step] = evaluate(trainer, state.params, dataset)
       runlog.event('eval', step=step, heldout_loss=heldout[step])
     if sample_every and (step % sample_every == 0 or step == total):
-      phases.write_samples(session.workdir, session.bandit.state['phase'], step,
-                           generate_samples(trainer, state.params, step), config.samples.keep)
-    if (step == total or mgr.should_save(step) or watcher.take_save_request()
-        or watcher.stop_signal is not None):
+      samples = generate_samples(trainer, state.params, step)  # on every process: it computes
+      if distributed.leader():
+        phases.write_samples(session.workdir, session.bandit.state['phase'], step, samples,
+                             config.samples.keep)
+    if agree.save_now(step, total, lambda: mgr.should_save(step), lambda: cadence.due(step)):
       save(step)
   if step not in saved and (step == total or step > first_step):
     save(step)  # resumed at the end, or stopped: the step reached must be on disk
@@ -241,10 +276,10 @@ def _loop(session: Session, state: TrainState, step: int) -> TrainState:
     runlog.event(
         'interrupted',
         step=step,
-        signal=watcher.stop_name,
-        message=f'interrupted by {watcher.stop_name} at step {step}')
-    runlog.status(state='interrupted', step=step, signal=watcher.stop_name)
-    raise signals.Interrupted(watcher.stop_signal, step)
+        signal=agree.stop_name,
+        message=f'interrupted by {agree.stop_name} at step {step}')
+    runlog.status(state='interrupted', step=step, signal=agree.stop_name)
+    raise signals.Interrupted(agree.stop_signal, step)
   if watcher.stop_signal is not None:
     logging.info('%s arrived after the last step; the run is finished', watcher.stop_name)
   runlog.event('finished', step=step)

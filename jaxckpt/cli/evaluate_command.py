@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser, configure_logging
 from jaxckpt.errors import UsageError
 from jaxckpt.evaluate import Evaluator
@@ -19,7 +20,11 @@ def main(argv: list[str]) -> int:
       prog='jaxckpt evaluate',
       description='Held-out loss of each committed '
       'checkpoint of a run, recorded in WORKDIR/evaluated.json.')
-  parser.add_argument('--workdir', required=True, help='the run directory')
+  parser.add_argument(
+      '--workdir',
+      required=True,
+      help='the run directory, or the URL of a remote run (its '
+      'checkpoints are downloaded to a temporary directory and evaluated there)')
   parser.add_argument(
       '--follow',
       action='store_true',
@@ -39,7 +44,15 @@ def main(argv: list[str]) -> int:
   args = parser.parse_args(argv)
   if args.poll_secs <= 0:
     parser.error('--poll_secs must be positive')
-  workdir = Path(args.workdir)
+  if remote_args.is_url(args.workdir):
+    if args.follow:
+      parser.error('--follow watches a local run directory, not a URL')
+    with remote_args.local_run(args.workdir) as local:
+      return _evaluate(local, args)
+  return _evaluate(Path(args.workdir), args)
+
+
+def _evaluate(workdir: Path, args) -> int:
   if not workdir.is_dir():
     if not args.follow:
       raise UsageError(

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from jaxckpt import provenance
+from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
 from jaxckpt.errors import UsageError
 from jaxckpt.export.offline import FORMATS, export_bin, export_checkpoint
@@ -19,8 +20,8 @@ def _parser():
       'tools: flat safetensors, a Hugging Face GPT-2 directory, or the raw ANDREA .bin.')
   parser.add_argument(
       'source',
-      help='a committed checkpoints/step_<n> directory, or a '
-      'step_NNNNNN.bin (then --config is needed)')
+      help='a committed checkpoints/step_<n> directory, the URL of a remote run (its newest '
+      'intact checkpoint) or checkpoint, or a step_NNNNNN.bin (then --config is needed)')
   parser.add_argument(
       '--format',
       required=True,
@@ -79,7 +80,8 @@ def main(argv: list[str]) -> int:
                        'pass --config=configs/<name>.py, the config it was trained with')
     out = export_bin(source, args.format, args.out, model_cfg, optimizer=args.optimizer)
   else:
-    out = export_checkpoint(
-        source, args.format, args.out, model_cfg=model_cfg, optimizer=args.optimizer)
+    with remote_args.local_checkpoint(args.source) as local:
+      out = export_checkpoint(
+          local, args.format, args.out, model_cfg=model_cfg, optimizer=args.optimizer)
   print(f'exported {source} as {args.format} to {out}')
   return 0

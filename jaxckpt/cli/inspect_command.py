@@ -18,7 +18,9 @@ from typing import Any, Mapping
 
 from jaxckpt import names
 from jaxckpt.checkpoint import discovery, manifest
+from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
+from jaxckpt.errors import UsageError
 
 _ITEMSIZE = {
     'bool': 1, 'int8': 1, 'uint8': 1, 'int16': 2, 'uint16': 2, 'float16': 2, 'bfloat16': 2,
@@ -165,18 +167,38 @@ def render(d: Mapping[str, Any]) -> str:
   return '\n'.join(lines)
 
 
+def _describe_remote(url: str) -> dict[str, Any]:
+  """`describe` of a remote checkpoint, from its manifest and object listing alone."""
+  from jaxckpt.checkpoint.remote import objects
+  store = remote_args.open_run(url)
+  step = remote_args.split(url)[1]
+  step = remote_args.newest(store) if step is None else step
+  raw, m, _, problems = objects.inspect(store, step)
+  if m is None:
+    raise UsageError('E-CKPT-010', f'{url}: {problems[0]}', 'pass a committed remote checkpoint')
+  d = describe(store.join(objects.step_prefix(step)), m, raw)  # type: ignore[arg-type]
+  d['warnings'] = d.get('warnings', []) + problems
+  return d
+
+
 def main(argv: list[str]) -> int:
   """`jaxckpt inspect CKPT [--json]`."""
   parser = ArgumentParser(
       prog='jaxckpt inspect',
       description='Print what a checkpoint is, '
       'from its manifest.json alone (no array is loaded).')
-  parser.add_argument('checkpoint', help='a checkpoints/step_<n> directory')
+  parser.add_argument(
+      'checkpoint',
+      help='a checkpoints/step_<n> directory, or the URL of a remote run (its '
+      'newest intact checkpoint) or checkpoint')
   parser.add_argument('--json', action='store_true', help='one JSON object, for scripts')
   args = parser.parse_args(argv)
-  step_dir = discovery.checkpoint_dir(args.checkpoint)
-  raw, m = discovery.read_manifest_bytes(step_dir)
-  d = describe(step_dir, m, raw)
+  if remote_args.is_url(args.checkpoint):
+    d = _describe_remote(args.checkpoint)
+  else:
+    step_dir = discovery.checkpoint_dir(args.checkpoint)
+    raw, m = discovery.read_manifest_bytes(step_dir)
+    d = describe(step_dir, m, raw)
   # Exit 0 even with a seal warning: inspect shows what a manifest says; verify judges it.
   print(json.dumps(d, indent=1) if args.json else render(d))
   return 0

@@ -17,6 +17,7 @@ from pathlib import Path
 from jaxckpt.checkpoint import layout
 from jaxckpt.checkpoint.discovery import (DEBRIS_MARKS, MANIFEST, NOT_A_CHECKPOINT, REMOVED,
                                           UNCOMMITTED, WHY, check_live, scan)
+from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
 from jaxckpt.errors import UsageError
 
@@ -30,13 +31,15 @@ def main(argv: list[str]) -> int:
   parser.add_argument(
       'path',
       help='a checkpoints/step_<n> directory, a run directory, or its '
-      'checkpoints/ directory')
+      'checkpoints/ directory; or the URL of a remote run or checkpoint (every byte is read)')
   parser.add_argument(
       '--no-checksums',
       dest='checksums',
       action='store_false',
       help='compare sizes only (fast; misses flipped bits)')
   args = parser.parse_args(argv)
+  if remote_args.is_url(args.path):
+    return remote_args.verify(args.path)
   path = Path(args.path)
   if not path.is_dir():
     raise UsageError(

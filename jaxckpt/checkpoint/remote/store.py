@@ -211,8 +211,8 @@ class Store:
     if generation != _ABSENT and not generation.strip(b'\x00'):
       # The server read the object without saying its version (the GCS emulator's downloads
       # carry no x-goog-generation): there is nothing to make the write conditional on.
-      logging.warning('%s does not report object generations: writing %s unconditionally',
-                      self.url, key)
+      logging.warning('%s does not report object generations: writing %s unconditionally', self.url,
+                      key)
       generation = None
     stamp = self._call('write', key, lambda: self.kv.write(key, data, if_equal=generation).result())
     return stamp.generation or None  # an empty generation: the condition did not hold

@@ -1,0 +1,151 @@
+"""Saves and stops that happen after the same step on every process of a run.
+
+One process asks the watcher, as always: the last step, the cadence, SIGUSR1 and a stop signal
+each make a checkpoint of the step just done, and a stop signal ends the run after it.
+
+Across processes, what is the same everywhere (the last step, a cadence counted in steps) is
+decided on the spot. Anything else (a signal, a cadence counted in seconds, which clocks disagree
+on) opens a *round* in the `jax.distributed` key-value store. A background thread on every
+process notices the round and votes at once, independently of its training loop: the step its
+loop last finished, and what this process wants (save, stop). All act after step
+`max(votes) + 1`: no process has passed it, because each one waits, at the step after the one
+it voted with, for the outcome, which takes only the other threads' votes, never another
+loop's progress (a loop waiting on another loop is how collectives deadlock).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from typing import Callable
+
+from jaxckpt import distributed
+from jaxckpt.checkpoint import signals
+from jaxckpt.errors import JaxckptError
+
+_ROUNDS = 'jaxckpt/run/round'
+
+
+class Agreement:
+  """`save_now(step, ...)` at each step boundary; `stop_signal` once the run must stop."""
+
+  def __init__(self,
+               watcher: signals.PreemptionWatcher,
+               start_step: int,
+               *,
+               clocked: bool = False,
+               cluster: distributed.Cluster | None = None):
+    """`clocked`: the `exact` cadence of `save_now` reads a clock too (seconds between saves)."""
+    self.watcher, self.cluster, self._clocked = watcher, cluster or distributed.current(), clocked
+    self._agreed_stop: int | None = None
+    self._cond = threading.Condition()
+    self._position = start_step  # the step boundary this process's loop last passed
+    self._want = False  # a save asked for here and not yet voted
+    self._stop_asked = False  # this process's stop signal went into a vote
+    self._round = 0  # the round this process votes in next
+    self._opened = -1  # the last round this process opened
+    self._voted_at: int | None = None  # the step of this process's vote still being counted
+    self._decided: list[tuple[int, bool, int]] = []  # (step, save, signal) still ahead
+    self._error: JaxckptError | None = None
+    self._closed = threading.Event()
+    if self.cluster.count > 1:
+      self._thread = threading.Thread(target=self._vote_loop, name='jaxckpt-agree', daemon=True)
+      self._thread.start()
+      distributed.on_exit(self.close)
+
+  @property
+  def stop_signal(self) -> int | None:
+    return self.watcher.stop_signal if self.cluster.count == 1 else self._agreed_stop
+
+  @property
+  def stop_name(self) -> str | None:
+    return None if self.stop_signal is None else signal.Signals(self.stop_signal).name
+
+  def save_now(self, step: int, total: int, exact: Callable[[], bool],
+               timed: Callable[[], bool]) -> bool:
+    """Whether every process saves `step` now. `exact()`: the cadence asks for this step on every
+    process alike (counted in steps); `timed()`: this process's clock asks (seconds, auto)."""
+    if self.cluster.count == 1:
+      return (step == total or exact() or timed() or self.watcher.take_save_request()
+              or self.watcher.stop_signal is not None)
+    if self._error is not None:
+      raise self._error
+    save = step == total or (not self._clocked and exact())
+    with self._cond:
+      self._position = step
+      deadline = time.monotonic() + self.cluster.timeout_secs
+      while self._voted_at is not None and self._voted_at + 1 <= step:  # its outcome first
+        if self._error is not None:
+          raise self._error
+        if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+          raise JaxckptError(
+              'E-DIST-005', f'at step {step}: the other processes did not vote within '
+              f'{self.cluster.timeout_secs:g} s', 'every process must run the same command; a '
+              'lost one is named by the others')
+      now = [d for d in self._decided if d[0] == step]
+      self._decided = [d for d in self._decided if d[0] != step]
+      save = save or any(d[1] for d in now)
+      if save:  # what this process asks for is in this checkpoint: no second round for it
+        self._want = False
+        self.watcher.take_save_request()
+      elif step < total:
+        self._want |= (self._clocked and exact()) or timed() or self.watcher.take_save_request()
+      # A save or stop already agreed for a later step covers what is asked here; a vote still
+      # being counted may too: ask in a new round only once that is known.
+      want = self._want and not any(d[1] for d in self._decided)
+      stop = self.watcher.stop_signal is not None and not self._stop_asked
+      if (step < total and (want or stop) and self._opened < self._round
+          and self._voted_at is None):
+        self._opened = self._round
+        self.cluster.client().key_value_set(
+            f'{_ROUNDS}/{self._round}/open', '1', allow_overwrite=True)
+    stops = [d[2] for d in now if d[2]]
+    if stops and step < total:
+      self._agreed_stop = stops[0]
+    return save
+
+  def _vote_loop(self) -> None:
+    client, me, n = self.cluster.client(), self.cluster.index, self.cluster.count
+    while not self._closed.is_set():
+      r = self._round
+      try:
+        client.blocking_key_value_get(f'{_ROUNDS}/{r}/open', 1000)
+      except Exception:  # pylint: disable=broad-except  # not opened yet
+        continue
+      with self._cond:
+        stop = self.watcher.stop_signal or 0
+        vote = [self._position, self._want or bool(stop), 0 if self._stop_asked else stop]
+        self._want, self._stop_asked = False, self._stop_asked or bool(stop)
+        self._voted_at = self._position
+      client.key_value_set(f'{_ROUNDS}/{r}/vote/{me}', json.dumps(vote), allow_overwrite=True)
+      votes = {}
+      deadline = time.monotonic() + self.cluster.timeout_secs
+      try:
+        for k in range(n):
+          left = max(1, int((deadline - time.monotonic()) * 1000))
+          votes[k] = json.loads(client.blocking_key_value_get(f'{_ROUNDS}/{r}/vote/{k}', left))
+      except Exception:  # pylint: disable=broad-except  # the runtime's own error types
+        missing = [k for k in range(n) if k not in votes]
+        with self._cond:
+          self._error = JaxckptError(
+              'E-DIST-005', f'process(es) {missing} did not vote on a save or stop within '
+              f'{self.cluster.timeout_secs:g} s', 'every process must run the same command; a '
+              'lost one is named by the others')
+          self._cond.notify_all()
+        return
+      stops = [v[2] for _, v in sorted(votes.items()) if v[2]]
+      outcome = (max(v[0] for v in votes.values()) + 1, any(v[1] for v in votes.values()),
+                 stops[0] if stops else 0)
+      if self.cluster.leader and r >= 2:  # every process has counted round r - 2
+        client.key_value_delete(f'{_ROUNDS}/{r - 2}')
+      with self._cond:
+        self._decided.append(outcome)
+        self._voted_at, self._round = None, r + 1
+        self._cond.notify_all()
+
+  def close(self) -> None:
+    self._closed.set()
+    if self.cluster.count > 1:
+      self._thread.join(timeout=5)

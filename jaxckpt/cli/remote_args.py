@@ -1,0 +1,129 @@
+"""Remote URLs where the tools take a path: runs and checkpoints in s3://, gs:// or file://.
+
+    jaxckpt inspect  s3://bucket/run                       its newest intact checkpoint
+    jaxckpt inspect  s3://bucket/run/checkpoints/step_00000300
+    jaxckpt verify   gs://bucket/run                       every remote checkpoint, byte by byte
+    jaxckpt export   s3://bucket/run --format=hf --out=out/hf
+    jaxckpt evaluate --workdir=s3://bucket/run
+
+A checkpoint named by URL is downloaded (CRC-checked, as a fresh machine's resume does) into a
+temporary directory that is removed when the command ends; the command then reads it as it reads
+a local one. `verify` reads every remote checkpoint through the same CRC-checked download.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from jaxckpt.checkpoint import CheckpointError, layout
+from jaxckpt.checkpoint.remote import Store, StoreError, objects
+from jaxckpt.errors import UsageError
+
+_URL = re.compile(r'^[a-zA-Z][a-zA-Z0-9+.-]*://')
+_STEP = re.compile(r'^(?P<run>.*)/checkpoints/(?P<name>step_\d{8,})/?$')
+
+
+def is_url(arg: str) -> bool:
+  return bool(_URL.match(str(arg)))
+
+
+def split(url: str) -> tuple[str, int | None]:
+  """(the run's URL, the step named, or None for the run itself)."""
+  m = _STEP.match(url)
+  if m:
+    return m['run'], layout.parse_step(m['name'])
+  url = url.rstrip('/')
+  return (url[:-len('/checkpoints')] if url.endswith('/checkpoints') else url), None
+
+
+def open_run(url: str) -> Store:
+  try:
+    return Store(split(url)[0])
+  except StoreError as e:
+    raise UsageError(e.code, e.what, e.fix) from None
+
+
+def newest(store: Store) -> int:
+  step, skipped = objects.latest_intact(store)
+  if step is None:
+    why = f' (newest: step {skipped[0][0]}: {skipped[0][1]})' if skipped else ''
+    raise UsageError('E-STORE-009', f'{store.url} holds no intact checkpoint{why}',
+                     'check the URL: a run written with --remote=URL has URL/checkpoints/')
+  return step
+
+
+@contextlib.contextmanager
+def local_checkpoint(arg: str) -> Iterator[Path]:
+  """`arg` itself when it is a local path; for a URL, a downloaded copy of the checkpoint it
+  names (a run's URL: its newest intact checkpoint), removed afterwards."""
+  if not is_url(arg):
+    yield Path(arg)
+    return
+  store = open_run(arg)
+  step = split(arg)[1]
+  with _tempdir() as tmp:
+    yield _download(store, newest(store) if step is None else step, tmp / 'checkpoints')
+
+
+@contextlib.contextmanager
+def local_run(arg: str) -> Iterator[Path]:
+  """`arg` when local; for a run's URL, a temporary run directory holding every intact remote
+  checkpoint and the newest one's records (loss history, events...)."""
+  if not is_url(arg):
+    yield Path(arg)
+    return
+  store = open_run(arg)
+  with _tempdir() as tmp:
+    steps = sorted(objects.committed(store))
+    records: dict[str, bytes] = {}
+    for step in steps:
+      try:
+        _, records = objects.download(store, step, tmp / 'checkpoints')
+      except CheckpointError as e:
+        print(f'jaxckpt: passing over remote step {step}: {e.line()}')
+    for name, data in records.items():
+      (tmp / name).write_bytes(data)
+    yield tmp
+
+
+def _download(store: Store, step: int, root: Path) -> Path:
+  try:
+    return objects.download(store, step, root)[0]
+  except StoreError as e:
+    raise UsageError(e.code, e.what, e.fix) from None
+
+
+@contextlib.contextmanager
+def _tempdir() -> Iterator[Path]:
+  tmp = Path(tempfile.mkdtemp(prefix='jaxckpt-remote-'))
+  try:
+    yield tmp
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def verify(url: str) -> int:
+  """`jaxckpt verify URL`: each remote checkpoint's objects and every byte against its manifest;
+  prints OK/FAIL lines like the local verify and returns its exit status."""
+  store = open_run(url)
+  run_url, step = split(url)
+  steps = [step] if step is not None else sorted(objects.committed(store))
+  if not steps:
+    raise UsageError('E-CKPT-010', f'{url} holds no checkpoint (looked in {run_url}/checkpoints)',
+                     'pass a run URL (the --remote of a run) or a checkpoint URL')
+  bad = 0
+  for s in steps:
+    where = store.join(objects.step_prefix(s).rstrip('/'))
+    with _tempdir() as tmp:
+      try:
+        objects.download(store, s, tmp)
+        print(f'OK {where}')
+      except CheckpointError as e:
+        bad += 1
+        print(f'FAIL {where}: {e.what.removeprefix(where + "/")}')
+  return 1 if bad else 0

@@ -1,0 +1,320 @@
+"""One run across many processes (`jax.distributed`): start-up, one lock, agreed stops.
+
+    # on each of N hosts (or let JAX find the cluster: TPU VMs, SLURM, Open MPI)
+    python -m jaxckpt.main --config=... --workdir=/shared/run \\
+        --coordinator_address=host0:1234 --num_processes=N --process_id=K
+
+- Start-up: `initialize` joins the job; the mesh then spans every process's devices. Each
+  process's log lines start with `[K/N]`.
+- Records: process 0 holds the workdir lock and writes `status.json`, `events.jsonl`, the loss
+  history and the phase satellites (`run_log`); the others wait for its lock and write none.
+- Agreement (`jaxckpt.agreement`): stops and saves happen after the same step on every process.
+- A lost process (`Watchdog`): each process leaves a sign of life in the key-value store; one
+  silent for `--heartbeat_timeout_seconds` is lost, and every other process stops within that
+  time with E-DIST-006 naming it. A save in flight is never committed without its part.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging as py_logging
+import math
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from absl import logging
+
+from jaxckpt.errors import JaxckptError, UsageError
+from jaxckpt.runlog import RunLog
+from jaxckpt.workdir import WorkdirLock
+
+_PREFIX = 'jaxckpt/run'
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """This process's place in the job: `index` of `count` processes."""
+  index: int = 0
+  count: int = 1
+  timeout_secs: float = 600.0  # waits for the other processes (a save's barrier, a round)
+  heartbeat_secs: float = 60.0  # a process silent this long is lost
+
+  @property
+  def leader(self) -> bool:
+    return self.index == 0
+
+  def client(self):
+    from jaxckpt.checkpoint.multihost import client  # pylint: disable=import-outside-toplevel
+    return client()
+
+
+_cluster = Cluster()
+_watchdog: 'Watchdog | None' = None
+_closing: list[Callable[[], None]] = []  # threads of this process that talk to the coordinator
+_failed = False  # this process stops for an error: the others need not wait for it
+
+
+def current() -> Cluster:
+  return _cluster
+
+
+def leader() -> bool:
+  """Whether this process writes the run's records (process 0, or the only one)."""
+  return _cluster.leader
+
+
+def initialize(coordinator_address: str | None = None,
+               num_processes: int | None = None,
+               process_id: int | None = None,
+               *,
+               heartbeat_timeout_seconds: float = 60.0,
+               timeout_secs: float = 600.0,
+               on_lost: Callable[[str], None] | None = None) -> Cluster:
+  """Join the `jax.distributed` job the flags (or the cluster's environment) describe.
+
+  Without flags and outside a detected cluster this is one process, as always. Call it before
+  anything touches the devices.
+  """
+  global _cluster
+  asked = any(v is not None for v in (coordinator_address, num_processes, process_id))
+  if not asked and not _cluster_detected():
+    return _cluster
+  import jax  # pylint: disable=import-outside-toplevel
+  # Stops are agreed here (`Agreement`); JAX's own preemption service would take SIGTERM away
+  # from the trainer's handler.
+  jax.config.update('jax_enable_preemption_service', False)
+  if jax.config.jax_cpu_collectives_implementation in (None, '', 'none'):
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU hosts talk via gloo
+  try:
+    # JAX's own heartbeat is the backstop: the watchdog below names a lost process first.
+    jax.distributed.initialize(
+        coordinator_address,
+        num_processes,
+        process_id,
+        heartbeat_timeout_seconds=int(2 * heartbeat_timeout_seconds + 10),
+        initialization_timeout=int(max(timeout_secs, 60)))
+  except (ValueError, TypeError, RuntimeError) as e:
+    raise UsageError(
+        'E-DIST-004', f'cannot join the jax.distributed job: {" ".join(str(e).split())}',
+        'pass --coordinator_address=HOST:PORT, --num_processes and --process_id on '
+        'every process (or run where JAX detects the cluster)') from None
+  _cluster = Cluster(jax.process_index(), jax.process_count(), timeout_secs,
+                     heartbeat_timeout_seconds)
+  logging.get_absl_handler().addFilter(_Prefix(f'[{_cluster.index}/{_cluster.count}] '))
+  if _cluster.count > 1:
+    global _watchdog
+    _watchdog = Watchdog(_cluster, on_lost)
+    _watchdog.start()
+    atexit.register(_shutdown)  # after JAX's own: runs before it, while the client still works
+  return _cluster
+
+
+def _shutdown() -> None:
+  """Stop this process's threads that talk to the coordinator, then say how it ended: 'done'
+  (the others never count it lost) or 'failed' (they stop at once, naming it)."""
+  for close in _closing:
+    close()
+  if _watchdog is not None:
+    _watchdog.finish(_failed)
+
+
+def on_exit(close: Callable[[], None]) -> None:
+  """Call `close` (which stops a thread that talks to the coordinator) before JAX shuts down."""
+  _closing.append(close)
+
+
+def explain(error: BaseException) -> None:
+  """Called when `error` stopped the run. A collective whose peer died fails at once, with the
+  transport's words: when a process was lost, wait (a heartbeat timeout at most) for the
+  watchdog to say which, and stop with E-DIST-006; otherwise return."""
+  global _failed
+  _failed = True
+  if _watchdog is not None and not isinstance(error, (JaxckptError, KeyboardInterrupt)):
+    _watchdog.lost.wait(_cluster.heartbeat_secs + 3 * _watchdog.period)
+
+
+def _cluster_detected() -> bool:
+  """Whether JAX sees a cluster it can join by itself (TPU pod VMs, SLURM, Open MPI, ...)."""
+  if os.environ.get('JAX_COORDINATOR_ADDRESS'):
+    return True
+  try:
+    from jax._src import clusters  # pylint: disable=import-outside-toplevel
+    return any(env.is_env_present()
+               for env in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+               if not env.opt_in_only_method)
+  except Exception:  # pylint: disable=broad-except  # a private API: no detection, no job
+    return False
+
+
+class _Prefix(py_logging.Filter):
+  """Starts each log line with the process's place in the job."""
+
+  def __init__(self, prefix: str):
+    super().__init__()
+    self.prefix = prefix
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    if not str(record.msg).startswith(self.prefix):
+      record.msg = self.prefix + str(record.msg)
+    return True
+
+
+# ----------------------------------------------------------------------------- records
+class _FollowerLog(RunLog):
+  """The run log of a process other than 0: it reads what process 0 writes, writes nothing."""
+
+  def _append(self, name, rows, *, sync):
+    pass
+
+  def status(self, **fields: Any) -> None:
+    pass
+
+
+_records: list[RunLog] = []  # the run log a lost process is recorded in
+
+
+def run_log(workdir: str | os.PathLike) -> RunLog:
+  """The run's records: written by process 0 (or the only process), by no other."""
+  log = RunLog(workdir) if leader() else _FollowerLog(workdir)
+  if _cluster.count > 1:
+    _records[:] = [log]
+  return log
+
+
+class _Follower:
+  """What a process other than 0 holds instead of the lock: process 0's word that it has it."""
+  previous_holder = None
+
+  def __init__(self, workdir: Path):
+    self.workdir = workdir
+
+  def __enter__(self):
+    word = _wait(_cluster, f'{_PREFIX}/lock', 'the workdir lock')
+    if word != 'ok':
+      raise UsageError('E-LOCK-001', f'process 0 could not take the lock of {self.workdir}: {word}',
+                       'one workdir has one run (of any number of processes)')
+    return self
+
+  def __exit__(self, *exc):
+    pass
+
+
+class _Leader(WorkdirLock):
+  """Process 0's lock, and its word to the others."""
+
+  def __enter__(self):
+    try:
+      lock = super().__enter__()
+    except JaxckptError as e:
+      _cluster.client().key_value_set(f'{_PREFIX}/lock', e.line(), allow_overwrite=True)
+      raise
+    _cluster.client().key_value_set(f'{_PREFIX}/lock', 'ok', allow_overwrite=True)
+    return lock
+
+
+def run_lock(workdir: str | os.PathLike):
+  """`WorkdirLock(workdir)`; across processes process 0 takes it and the others wait for it."""
+  if _cluster.count == 1:
+    return WorkdirLock(workdir)
+  return _Leader(workdir) if leader() else _Follower(Path(workdir))
+
+
+def first_problem(name: str, problem: str | None) -> str | None:
+  """This process's `problem` (None: none) or, across processes, the first any one of them
+  reports under `name`: the same answer on every process."""
+  if _cluster.count == 1:
+    return problem
+  _cluster.client().key_value_set(
+      f'{_PREFIX}/{name}/{_cluster.index}', problem or '', allow_overwrite=True)
+  reports = [_wait(_cluster, f'{_PREFIX}/{name}/{k}', name) for k in range(_cluster.count)]
+  return next((r for r in reports if r), None)
+
+
+def _wait(cluster: Cluster, key: str, what: str) -> str:
+  try:
+    return cluster.client().blocking_key_value_get(key, int(cluster.timeout_secs * 1000))
+  except Exception as e:  # pylint: disable=broad-except  # the runtime's own error types
+    raise JaxckptError(
+        'E-DIST-005', f'waited {cluster.timeout_secs:g} s for {what} from the other processes: '
+        f'{" ".join(str(e).split())[:160]}', 'start every process of the job (same flags but '
+        '--process_id); a lost one is named by the others') from None
+
+
+# ----------------------------------------------------------------------------- lost process
+class Watchdog(threading.Thread):
+  """Signs of life in the key-value store; a process silent for `heartbeat_secs` is lost.
+
+  Every process then exits 1 with E-DIST-006 naming it (after `on_lost`, which records it):
+  the collective it may be blocked in, or the save barrier it waits at, never returns.
+  """
+
+  def __init__(self, cluster: Cluster, on_lost: Callable[[str], None] | None = None):
+    super().__init__(name='jaxckpt-watchdog', daemon=True)
+    self.cluster, self.on_lost = cluster, on_lost
+    self.period = max(0.2, min(2.0, cluster.heartbeat_secs / 10))
+    self.lost = threading.Event()
+    self._finished = threading.Event()
+
+  def finish(self, failed: bool) -> None:
+    """Stop watching, and leave the word 'done' or 'failed' instead of a sign of life."""
+    self._finished.set()
+    self.join(timeout=10)
+    try:
+      self.cluster.client().key_value_set(
+          f'{_PREFIX}/alive/{self.cluster.index}',
+          'failed' if failed else 'done',
+          allow_overwrite=True)
+    except Exception:  # pylint: disable=broad-except  # the coordinator may be gone already
+      pass
+
+  def run(self) -> None:
+    client, me, n = self.cluster.client(), self.cluster.index, self.cluster.count
+    # Every process joined `jax.distributed.initialize` before this starts: all count from now.
+    seen: dict[int, tuple[str | None, float]] = {k: (None, time.monotonic()) for k in range(n)}
+    beat, unreachable_since = 0, None
+    while not self._finished.is_set():
+      now = time.monotonic()
+      try:
+        beat += 1
+        client.key_value_set(f'{_PREFIX}/alive/{me}', str(beat), allow_overwrite=True)
+        alive = dict(client.key_value_dir_get(f'{_PREFIX}/alive/'))
+        unreachable_since = None
+      except Exception:  # pylint: disable=broad-except  # the coordinator (process 0) is gone
+        unreachable_since = unreachable_since or now
+        if now - unreachable_since > self.cluster.heartbeat_secs:
+          self._stop_all([0], 'the coordinator stopped answering')
+        self._finished.wait(self.period)
+        continue
+      for k in range(n):
+        value = alive.get(f'{_PREFIX}/alive/{k}')
+        if value == 'done':  # ended as it should: never lost
+          seen[k] = (value, math.inf)
+        elif value is not None and seen[k][0] != value:
+          seen[k] = (value, now)
+      failed = [k for k in range(n) if alive.get(f'{_PREFIX}/alive/{k}') == 'failed']
+      silent = [k for k in range(n) if k != me and now - seen[k][1] > self.cluster.heartbeat_secs]
+      if failed or silent:
+        self._stop_all(failed or silent, 'it failed' if failed else 'no sign of life')
+      self._finished.wait(self.period)
+
+  def _stop_all(self, lost: list[int], why: str) -> None:
+    how = why if why == 'it failed' else f'{why} for {self.cluster.heartbeat_secs:g} s'
+    line = (f'E-DIST-006: process(es) {lost} of {self.cluster.count} lost ({how}); this '
+            'process stops too, nothing partial is '
+            'committed; start every process again with the same command to resume from the last '
+            'checkpoint')
+    self.lost.set()
+    try:
+      for log in _records:  # process 0's records say why the run stopped
+        log.event('failed', error=line)
+        log.status(state='failed', error=line)
+      if self.on_lost is not None:
+        self.on_lost(line)
+    finally:
+      print(f'jaxckpt: {line}', file=sys.stderr, flush=True)
+      os._exit(1)  # pylint: disable=protected-access  # the main thread may be stuck for good

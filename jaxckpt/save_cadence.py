@@ -1,0 +1,266 @@
+"""The trainer's save rules beyond the manager's own: `--checkpoint_every=auto` and
+`--checkpoint_epochs`. The formulas are the library's (`jaxckpt.checkpoint.cadence`); this module
+measures what they need in the training loop.
+
+- δ, what one checkpoint costs the loop: the time the loop was held by the save (from the step
+  boundary where it starts to `save()` returning, less what the loop would do anyway: flushing
+  loss rows, `aside`), plus the slowdown of the steps that ran while the write was in flight
+  (their time against the step time measured between writes), smoothed.
+  Timing marks wait for the device (`block_until_ready` on the last step's metrics), only at a
+  save and at the first step boundary after its commit, and on the first steps of each start.
+  The first save of each start is not measured: it pays one-time costs (compilations, the first
+  touch of the staging buffer) that later saves do not.
+- M, learned from `events.jsonl` (`read_history`): each earlier start of the run that ended
+  with no end record (SIGKILL, a lost VM, OOM) or `interrupted` by SIGTERM or SIGHUP counts as an
+  interruption, over the running time of all starts; `cadence.blend_mtbi` mixes in the prior.
+- The interval: `cadence.plan`, in steps from the step time measured on this start, re-planned
+  at each commit; each plan is a `cadence` event, `status.json`'s `cadence` and the progress line.
+  A checkpoint is never started before `durable()` says the previous one is (by default: it has
+  committed; a remote tier can pass "and uploaded").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+from absl import flags, logging
+
+from jaxckpt.checkpoint import ArgumentError, CommitInfo, cadence
+from jaxckpt.runlog import RunLog, read_jsonl
+from jaxckpt.workdir import EVENTS
+
+# Records that end a start of the trainer (a segment); a SIGKILLed one has none.
+ENDS = ('finished', 'interrupted', 'failed')
+# A stop by this signal is a person (Ctrl-C), not the machine: not an interruption.
+DELIBERATE = ('SIGINT',)
+# Records written by another process between two starts: they do not date the earlier's end.
+BETWEEN = ('lock_taken_over', 'pivot')
+# The step time is measured on each start over this many steps or seconds, whichever first.
+CALIBRATION_STEPS, CALIBRATION_S = 20, 1.0
+
+
+class EveryFlagParser(flags.ArgumentParser):
+  """`--checkpoint_every`: a whole number of steps or `auto`; anything else is a flag error."""
+
+  def parse(self, argument):
+    try:
+      return cadence.parse_every(argument)
+    except ArgumentError as e:
+      raise ValueError(f'{e.what}; {e.fix}') from None
+
+  def flag_type(self) -> str:
+    return 'int or auto'
+
+
+@dataclasses.dataclass(frozen=True)
+class History:
+  """What the run's earlier starts say about it."""
+  interruptions: int  # starts that ended without a clean stop
+  exposure_s: float  # their running time, from `started` to their last record
+  delta_s: float | None = None  # the last measured cost of a checkpoint (None: never measured)
+
+
+def read_history(events: Iterable[Mapping[str, Any]]) -> History:
+  """Interruptions, running time and the last measured δ of the starts recorded in `events`.
+
+  A start that ended `finished` or `failed` (an error to fix, not a preemption), or that was
+  stopped by SIGINT or before a `pivot`, was not interrupted. A SIGKILLed start's running time
+  ends at its last record (with auto, a `cadence` event at every commit).
+  """
+  segments: list[list[Mapping[str, Any]]] = []
+  for e in events:
+    if e.get('event') == 'started':
+      segments.append([e])
+    elif segments:
+      segments[-1].append(e)
+  interruptions, exposure, delta = 0, 0.0, None
+  for segment in segments:
+    end = next((e for e in segment if e.get('event') in ENDS), None)
+    last = end or [e for e in segment if e.get('event') not in BETWEEN][-1]
+    exposure += max(0.0, float(last.get('time', 0.0)) - float(segment[0].get('time', 0.0)))
+    if end is None or (end['event'] == 'interrupted' and end.get('signal') not in DELIBERATE
+                       and not any(e.get('event') == 'pivot' for e in segment)):
+      interruptions += 1
+    delta = next((e['delta_s']
+                  for e in reversed(segment)
+                  if e.get('event') == 'cadence' and e.get('delta_measured')), delta)
+  return History(interruptions, exposure, delta)
+
+
+def tree_nbytes(tree) -> int:
+  import jax  # only when auto needs a prior for δ
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass
+class _Write:
+  """A save whose write is in flight: where the loop was when `save()` returned."""
+  time: float
+  step: int
+  blocked_s: float
+  saves: int  # the save count it completes
+  measured: bool = True  # False for the first save of a start: it pays one-time costs
+
+
+class SaveCadence:
+  """When the loop saves beyond `CheckpointManager.should_save`: auto and per-epoch.
+
+  The loop calls `start` once, `after_step` after each step, `due` to decide, `saving`/`saved`
+  around each save (whatever asked for it: every save restarts the interval), and `committed`
+  from the manager's `on_commit`.
+  """
+
+  def __init__(self,
+               config,
+               runlog: RunLog,
+               options: cadence.CadenceOptions,
+               *,
+               epoch: Callable[[int], float],
+               state: Callable[[], Any],
+               durable: Callable[[], bool] | None = None,
+               clock: Callable[[], float] = time.perf_counter):
+    self.auto = cadence.parse_every(config.checkpoint.every) == cadence.AUTO
+    self.every_epochs = int(config.checkpoint.get('epochs', 0))
+    self.options, self.runlog, self.clock = options, runlog, clock
+    self.epoch, self._state = epoch, state
+    self.durable = durable or (lambda: self.commits >= self.saves)
+    self.history = History(0, 0.0)
+    if self.auto:
+      self.history = read_history(read_jsonl(runlog.workdir / EVENTS))
+    self.delta_s, self.delta_measured = self.history.delta_s, self.history.delta_s is not None
+    self.step_s: float | None = None
+    self.plan: cadence.Plan | None = None
+    self.saves = self.commits = 0
+    self.durable_s = 0.0  # how long the last save took to commit
+    self._started_at = clock()
+    self._last_save_step = 0
+    self._metrics = None
+    self._clean: tuple[float, int] | None = None  # (time, step): no write in flight since
+    self._write: _Write | None = None
+    self._saving_at = 0.0
+    self._aside_s = 0.0  # time inside this save that is not its cost
+
+  # ------------------------------------------------------------------------------ the loop
+  def start(self, step: int) -> None:
+    self._last_save_step, self._started_at = step, self.clock()
+
+  def after_step(self, step: int, metrics: Any) -> None:
+    self._metrics = metrics
+    if not self.auto:
+      return
+    if self._clean is None and self._write is None:  # the first step of this start: compiled
+      self._clean = (self._sync(), step)
+    elif self._write is not None and self.commits >= self._write.saves:
+      self._measure_write(step)
+    elif self.step_s is None and self._clean is not None:  # calibrating the step time
+      t, (t0, s0) = self._sync(), self._clean
+      if step - s0 >= CALIBRATION_STEPS or (t - t0 >= CALIBRATION_S and step > s0):
+        self.step_s = (t - t0) / (step - s0)
+        self._replan(step)
+
+  def due(self, step: int) -> bool:
+    if self.every_epochs and cadence.epoch_ended(
+        self.epoch(step - 1), self.epoch(step), self.every_epochs):
+      return True
+    return (self.auto and self.plan is not None
+            and step - self._last_save_step >= self.plan.interval_steps and self.durable())
+
+  def saving(self, step: int) -> None:
+    """A save of `step` starts (call before anything else the save does)."""
+    self._last_save_step = step
+    if not self.auto:
+      return
+    self._saving_at = t = self._sync()
+    self._aside_s = 0.0
+    if self._clean is not None and step > self._clean[1]:
+      sample = (t - self._clean[0]) / (step - self._clean[1])
+      self.step_s = cadence.smooth(self.step_s, sample)
+    self._clean = None
+    self._write = None  # one still unmeasured: this save came first; it goes unmeasured
+
+  def saved(self, step: int) -> None:
+    """`save()` returned: the write is in flight (or, in sync mode, done)."""
+    self.saves += 1
+    if self.auto:
+      t = self.clock()
+      blocked = t - self._saving_at - self._aside_s
+      self._write = _Write(t, step, blocked, self.saves, measured=self.saves > 1)
+
+  @contextlib.contextmanager
+  def aside(self):
+    """Work done inside a save that is not the save's cost (it would be done anyway)."""
+    t = self.clock()
+    try:
+      yield
+    finally:
+      self._aside_s += self.clock() - t
+
+  def committed(self, info: CommitInfo) -> None:
+    """From `on_commit`, on the manager's thread."""
+    self.durable_s = info.seconds_to_commit
+    self.commits += 1
+
+  def note(self) -> str:
+    """For the progress line."""
+    return f'  ckpt every {self.plan.interval_steps} steps (auto)' if self.plan else ''
+
+  # ----------------------------------------------------------------------------- measuring
+  def _sync(self) -> float:
+    if self._metrics is not None:
+      import jax
+      jax.block_until_ready(self._metrics)
+    return self.clock()
+
+  def _measure_write(self, step: int) -> None:
+    t, write = self._sync(), self._write
+    self._write, self._clean = None, (t, step)
+    if not write.measured:
+      if self.plan is None:  # it came before the step time was measured (SIGUSR1, an epoch)
+        self._replan(step)
+      return
+    slowdown = cadence.write_slowdown(t - write.time, step -
+                                      write.step, self.step_s) if self.step_s else 0.0
+    sample = write.blocked_s + slowdown
+    self.delta_s = cadence.smooth(self.delta_s if self.delta_measured else None, sample)
+    self.delta_measured = True
+    self._replan(step, blocked_s=round(write.blocked_s, 6), slowdown_s=round(slowdown, 6))
+
+  def _replan(self, step: int, **measured: float) -> None:
+    if self.step_s is None:
+      return
+    delta = self.delta_s if self.delta_measured else cadence.prior_delta(tree_nbytes(self._state()))
+    exposure = self.history.exposure_s + self.clock() - self._started_at
+    mtbi = cadence.blend_mtbi(self.options.mtbi_s, self.history.interruptions, exposure,
+                              self.options.prior_weight)
+    self.plan = cadence.plan(delta, mtbi, self.step_s, self.options, durable_s=self.durable_s)
+    fields = {
+        **self.plan.as_dict(), 'delta_measured': self.delta_measured,
+        'interruptions': self.history.interruptions, 'exposure_s': round(exposure, 3),
+        'prior_mtbi_s': self.options.mtbi_s, 'durable_s': round(self.durable_s, 6), **measured
+    }
+    self.runlog.event('cadence', step=step, **fields)
+    p = self.plan
+    self.runlog.status(
+        cadence={
+            'interval_steps': p.interval_steps, 'interval_s': round(p.interval_s, 3),
+            'delta_s': round(p.delta_s, 6), 'mtbi_s': round(p.mtbi_s, 1), 'overhead_pct': round(
+                p.overhead_pct, 4), 'lost_s': round(p.lost_s, 3)
+        })
+    logging.info(
+        'cadence: a checkpoint every %d steps (%s, %s): δ %.3g s%s, M %s (%d interruption(s) '
+        'in %s), overhead %.2g%%, %s lost per interruption', p.interval_steps,
+        human(p.interval_s), p.bound, p.delta_s, '' if self.delta_measured else ' (a guess)',
+        human(p.mtbi_s), self.history.interruptions, human(exposure), p.overhead_pct,
+        human(p.lost_s))
+
+
+def human(seconds: float) -> str:
+  """`0.31s`, `57m`, `6.0h`, `30d`: a duration as a person reads it."""
+  for unit, size in (('d', 86400), ('h', 3600), ('m', 60)):
+    if seconds >= 2 * size:
+      return f'{seconds / size:.3g}{unit}'
+  return f'{seconds:.3g}s'

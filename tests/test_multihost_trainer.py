@@ -1,0 +1,174 @@
+"""`python -m jaxckpt.main` as one run of 2 and 4 real jax.distributed processes (CPU, gloo).
+
+Each process has one CPU device; the mesh spans them all (data parallel), and process 0 writes
+the run's records while every process writes its shards of each checkpoint.
+"""
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+from conftest import (TINY, assert_same_bytes, committed_steps, events_of, finish_processes, losses,
+                      start_processes, wait_for)
+
+
+def launch(cache, workdir, count: int, *flags: str):
+  return start_processes(
+      lambda k, coordinator: [
+          sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}', f'--workdir={workdir}',
+          '--config.train.log_every=5', *flags, f'--coordinator_address={coordinator}',
+          f'--num_processes={count}', f'--process_id={k}'
+      ],
+      count,
+      cache=cache)
+
+
+def train(cache, workdir, count: int, *flags: str, timeout: float = 240):
+  results = finish_processes(launch(cache, workdir, count, *flags), timeout)
+  for k, (code, out) in enumerate(results):
+    assert code == 0, f'process {k} exited {code}:\n{out[-3000:]}'
+  return results
+
+
+def arrays(workdir, step: int):
+  from jaxckpt.checkpoint.formats import read_host_arrays
+  return read_host_arrays(Path(workdir) / 'checkpoints' / f'step_{step:08d}')
+
+
+def manifest(workdir, step: int) -> dict:
+  return json.loads((Path(workdir) / 'checkpoints' / f'step_{step:08d}/manifest.json').read_text())
+
+
+def test_sigkill_of_every_process_then_the_same_command_is_bit_identical(tmp_path, compile_cache):
+  flags = ('--config.train.steps=60', '--checkpoint_every=5')
+  straight, stopped = tmp_path / 'straight', tmp_path / 'stopped'
+  results = train(compile_cache, straight, 2, *flags)
+  assert all(f'[{k}/2] step 60/60' in out for k, (_, out) in enumerate(results))
+  procs = launch(compile_cache, stopped, 2, *flags)
+  wait_for(lambda: committed_steps(stopped), procs[0], timeout=180)
+  for p in procs:
+    p.kill()
+  finish_processes(procs)
+  killed_at = max(committed_steps(stopped))
+  train(compile_cache, stopped, 2, *flags)
+  assert events_of(stopped, 'resumed')[0]['step'] == killed_at < 60
+  assert_same_bytes(arrays(stopped, 60), arrays(straight, 60))
+  assert losses(stopped) == losses(straight)
+  assert manifest(
+      stopped, 60)['state_files'] == ['state/process_0.safetensors', 'state/process_1.safetensors']
+  assert json.loads((stopped / 'status.json').read_text())['processes'] == 2
+
+
+def test_sigterm_to_one_process_stops_all_after_the_same_step(tmp_path, compile_cache):
+  procs = launch(compile_cache, tmp_path, 2, '--config.train.steps=100000', '--checkpoint_every=0')
+  status = tmp_path / 'status.json'
+  wait_for(
+      lambda: status.exists() and json.loads(status.read_text()).get('step', 0) >= 5,
+      procs[0],
+      timeout=180)
+  procs[1].send_signal(signal.SIGTERM)
+  results = finish_processes(procs, timeout=120)
+  lines = [
+      [l for l in out.splitlines() if 'interrupted by SIGTERM at step' in l] for _, out in results
+  ]
+  assert [code for code, _ in results] == [143, 143], [out[-2000:] for _, out in results]
+  steps = {line[-1].rsplit(' ', 1)[1] for line in lines}
+  assert len(steps) == 1, lines
+  step = int(steps.pop())
+  assert committed_steps(tmp_path) == [step]  # one checkpoint, of that step, from both
+  assert len(manifest(tmp_path, step)['state_files']) == 2
+  assert events_of(tmp_path, 'interrupted')[-1]['step'] == step
+  assert json.loads(status.read_text())['state'] == 'interrupted'
+
+
+def test_four_processes_then_two_then_one_continue_the_run(tmp_path, compile_cache):
+  train(compile_cache, tmp_path, 4, '--config.train.steps=10', '--checkpoint_every=10')
+  saved = arrays(tmp_path, 10)
+  assert len(manifest(tmp_path, 10)['state_files']) == 4
+  train(compile_cache, tmp_path, 2, '--config.train.steps=20', '--checkpoint_every=10')
+  assert_same_bytes(arrays(tmp_path, 10), saved)  # untouched by the resume
+  assert len(manifest(tmp_path, 20)['state_files']) == 2
+  train(compile_cache, tmp_path, 1, '--config.train.steps=30', '--checkpoint_every=10')
+  started = events_of(tmp_path, 'started')
+  assert [(e['step'], e['processes']) for e in started] == [(0, 4), (10, 2), (20, 1)]
+  assert committed_steps(tmp_path) == [10, 20, 30]
+  assert 'state_files' not in manifest(tmp_path, 30)  # one process: the single file, as ever
+  assert sorted(losses(tmp_path)) == list(range(1, 31))
+
+
+def test_sigkill_of_one_process_stops_the_others_and_the_rerun_resumes(tmp_path, compile_cache):
+  flags = ('--config.train.steps=100000', '--checkpoint_every=5', '--heartbeat_timeout_seconds=3')
+  procs = launch(compile_cache, tmp_path, 2, *flags)
+  wait_for(lambda: committed_steps(tmp_path), procs[0], timeout=180)
+  procs[1].kill()
+  killed = time.monotonic()
+  (code, out), _ = finish_processes(procs, timeout=60)
+  assert code != 0 and time.monotonic() - killed < 30, out[-3000:]
+  assert 'E-DIST-006: process(es) [1] of 2 lost' in out, out[-3000:]
+  from jaxckpt.checkpoint import discovery
+  steps = committed_steps(tmp_path)
+  for step in steps:  # whatever was committed is whole: both parts, every checksum
+    step_dir = tmp_path / 'checkpoints' / f'step_{step:08d}'
+    assert discovery.problems(step_dir) == [] and len(manifest(tmp_path, step)['state_files']) == 2
+  assert json.loads((tmp_path / 'status.json').read_text())['state'] == 'failed'
+  train(compile_cache, tmp_path, 2, '--config.train.steps=' + str(max(steps) + 5),
+        '--checkpoint_every=5')
+  assert events_of(tmp_path, 'resumed')[-1]['step'] == max(steps)
+
+
+def test_a_shard_damaged_on_disk_is_passed_over_by_every_process(tmp_path, compile_cache):
+  train(compile_cache, tmp_path, 2, '--config.train.steps=10', '--checkpoint_every=5')
+  from jaxckpt.checkpoint import statefile
+  path = tmp_path / 'checkpoints/step_00000010/state/process_1.safetensors'
+  header_len, entries, _ = statefile.read_header(path)
+  with open(path, 'r+b') as f:  # one bit of process 1's largest shard, as a bad disk would
+    begin, end = max((e['data_offsets'] for e in entries.values()), key=lambda o: o[1] - o[0])
+    f.seek(header_len + (begin + end) // 2)
+    byte = f.read(1)
+    f.seek(-1, 1)
+    f.write(bytes([byte[0] ^ 0x10]))
+  train(compile_cache, tmp_path, 2, '--config.train.steps=15', '--checkpoint_every=5')
+  assert [e['step'] for e in events_of(tmp_path, 'resumed')] == [5]  # once, by all, from 5
+  assert 15 in committed_steps(tmp_path)
+
+
+def test_orbax_storage_across_two_processes_saves_and_resumes(tmp_path, compile_cache):
+  flags = ('--config.checkpoint.storage=orbax', '--checkpoint_every=5')
+  train(compile_cache, tmp_path, 2, '--config.train.steps=10', *flags)
+  assert manifest(tmp_path, 10)['storage'] == 'orbax'
+  saved = arrays(tmp_path, 10)
+  train(compile_cache, tmp_path, 2, '--config.train.steps=15', *flags)
+  assert events_of(tmp_path, 'resumed')[-1]['step'] == 10
+  assert_same_bytes(arrays(tmp_path, 10), saved)
+  assert manifest(tmp_path, 15)['storage'] == 'orbax'
+
+
+def test_sigusr1_to_one_process_checkpoints_on_all_and_training_goes_on(tmp_path, compile_cache):
+  procs = launch(compile_cache, tmp_path, 2, '--config.train.steps=100000', '--checkpoint_every=0')
+  status = tmp_path / 'status.json'
+  wait_for(
+      lambda: status.exists() and json.loads(status.read_text()).get('step', 0) >= 5,
+      procs[0],
+      timeout=180)
+  procs[1].send_signal(signal.SIGUSR1)
+  wait_for(lambda: committed_steps(tmp_path), procs[0], timeout=120)
+  procs[0].send_signal(signal.SIGTERM)
+  results = finish_processes(procs, timeout=120)
+  assert [code for code, _ in results] == [143, 143], [out[-2000:] for _, out in results]
+  saved, stopped = committed_steps(tmp_path)  # SIGUSR1's, then the stop's: both from both
+  assert saved < stopped == events_of(tmp_path, 'interrupted')[-1]['step']
+  assert all(len(manifest(tmp_path, s)['state_files']) == 2 for s in (saved, stopped))
+
+
+def test_a_cadence_in_seconds_saves_whole_checkpoints_whatever_the_clocks(tmp_path, compile_cache):
+  train(compile_cache, tmp_path, 2, '--config.train.steps=120', '--checkpoint_every=0',
+        '--checkpoint_secs=0.3', '--keep=0')
+  from jaxckpt.checkpoint import discovery
+  steps = committed_steps(tmp_path)
+  assert len(steps) >= 2 and steps[-1] == 120
+  for step in steps:  # each one agreed by both processes: both parts, every checksum
+    assert len(manifest(tmp_path, step)['state_files']) == 2
+    assert discovery.problems(tmp_path / 'checkpoints' / f'step_{step:08d}') == []
+  assert not list((tmp_path / 'checkpoints').glob('*.tmp-*'))

@@ -1,0 +1,61 @@
+"""`jaxckpt inspect|verify|export|evaluate` take the URL of a remote run or checkpoint."""
+
+import pytest
+from safetensors.numpy import load_file
+
+from conftest import assert_same_bytes, jaxckpt_cli
+from jaxckpt.checkpoint.remote import Store
+
+
+@pytest.fixture(scope='module')
+def remote_run(trainer, s3_server, tmp_path_factory):
+  url = s3_server.bucket()
+  workdir = tmp_path_factory.mktemp('run')
+  r = trainer.train(workdir, '--config.train.steps=20', '--checkpoint_every=10', '--keep=0',
+                    '--config.train.eval_every=10', f'--remote={url}')
+  assert r.returncode == 0, r.stderr
+  return url, workdir
+
+
+def test_inspect_a_remote_run_shows_its_newest_checkpoint(remote_run):
+  url, _ = remote_run
+  r = jaxckpt_cli('inspect', url)
+  assert r.returncode == 0, r.stderr
+  assert f'checkpoint  {url}/checkpoints/step_00000020' in r.stdout
+  assert 'step        20' in r.stdout
+  older = jaxckpt_cli('inspect', f'{url}/checkpoints/step_00000010', '--json')
+  assert older.returncode == 0 and '"step": 10' in older.stdout
+
+
+def test_export_from_a_remote_checkpoint_matches_the_local_one(remote_run, tmp_path):
+  url, workdir = remote_run
+  for name, source in (('remote', url), ('local', f'{workdir}/checkpoints/step_00000020')):
+    r = jaxckpt_cli('export', source, '--format=safetensors', f'--out={tmp_path / name}')
+    assert r.returncode == 0, r.stderr
+  assert_same_bytes(
+      load_file(tmp_path / 'remote' / 'model.safetensors'),
+      load_file(tmp_path / 'local' / 'model.safetensors'))
+
+
+def test_evaluate_a_remote_run(remote_run):
+  url, _ = remote_run
+  r = jaxckpt_cli('evaluate', f'--workdir={url}', timeout=300)
+  assert r.returncode == 0, r.stderr
+  assert 'step 10' in r.stdout and 'step 20' in r.stdout
+
+
+def test_verify_reads_every_remote_byte(remote_run, s3_server):
+  url, _ = remote_run
+  r = jaxckpt_cli('verify', url)
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert r.stdout.splitlines() == [f'OK {url}/checkpoints/step_{s:08d}' for s in (10, 20)]
+  store = Store(url)
+  key = 'checkpoints/step_00000010/state/process_0.safetensors'
+  data = bytearray(store.read(key))
+  data[-5] ^= 0x10
+  store.write(key, bytes(data))
+  r = jaxckpt_cli('verify', url)
+  assert r.returncode == 1
+  assert r.stdout.splitlines()[0].startswith(f'FAIL {url}/checkpoints/step_00000010: '
+                                             'state/process_0.safetensors: checksum mismatch')
+  assert r.stdout.splitlines()[1] == f'OK {url}/checkpoints/step_00000020'
