@@ -31,7 +31,7 @@ from jaxckpt.checkpoint import (CheckpointError, CheckpointOptions, CommitInfo, 
 from jaxckpt.checkpoint.remote import Lease, LeaseError, Store, StoreError, Uploader, objects
 from jaxckpt.errors import ConfigError, UsageError
 from jaxckpt.runlog import RunLog
-from jaxckpt.workdir import BANDIT, EVENTS, LOSSES, SAMPLES, STATUS
+from jaxckpt.workdir import BANDIT, EVENTS, EXPORTS, LOSSES, SAMPLES, STATUS
 
 APPEND_ONLY = (LOSSES, EVENTS)  # captured as their length at the call: the prefix never changes
 REWRITTEN = (SAMPLES, BANDIT, STATUS)  # captured as bytes
@@ -247,7 +247,8 @@ class RemoteRun:
         retention=retention,
         lease=self.lease,
         on_event=self._on_event,
-        start_step=self.start_step)
+        start_step=self.start_step,
+        mirror=(self.workdir / EXPORTS, EXPORTS + '/'))
     local, _ = discovery.latest_intact(ckpt_dir, checksums=False)
     if local is not None:
       step = layout.parse_step(local.name)

@@ -298,7 +298,9 @@ class S3Server:
     return f's3://{name}/{prefix}'
 
   def stop(self) -> None:
+    """Down like a dead server: its socket closed, so connections are refused."""
     self._server.stop()
+    self._server._server.server_close()  # stop() leaves the listening socket open
 
   def start(self) -> None:
     from moto.server import ThreadedMotoServer

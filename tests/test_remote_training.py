@@ -51,7 +51,7 @@ def test_a_fresh_machine_continues_from_the_remote_bit_exactly(trainer, straight
   store = Store(url)
   first_vm = tmp_path / 'vm1'
   proc = trainer.start(first_vm, *RUN_FLAGS, f'--remote={url}', '--remote_lease_secs=2')
-  wait_for(lambda: any(s >= 20 for s in _remote_steps(store)), proc)
+  wait_for(lambda: any(e['step'] >= 20 for e in events_of(first_vm, 'uploaded')), proc)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   at_kill = max(_remote_steps(store))
@@ -70,6 +70,8 @@ def test_a_fresh_machine_continues_from_the_remote_bit_exactly(trainer, straight
   assert f'step {STEPS} is durable in {url}/checkpoints/step_{STEPS:08d}' in again.stderr
   assert _remote_steps(store)[-1] == STEPS
   assert len(_remote_steps(store)) == 2  # remote retention follows --keep=2
+  export = f'exports/step_{STEPS:08d}/model.safetensors'  # the exports went up too
+  assert store.read(export) == (fresh / export).read_bytes()
   status = read_status(fresh)
   assert (status['remote_step'], status['remote_lag_steps'], status['remote_error']) == (STEPS, 0,
                                                                                          None)

@@ -57,10 +57,22 @@ def parse_url(url: str) -> tuple[str, str, str]:
   return scheme, bucket, prefix.strip('/')
 
 
+# A store that stops answering (a half-open connection, a hung server) must fail the request so
+# that it is retried, not hang the uploader: tensorstore's HTTP transport reads these once, when
+# it starts. Set them in the environment to change them.
+HTTP_TIMEOUTS = {
+    'TENSORSTORE_CURL_CONNECT_TIMEOUT_SECONDS': '20',
+    'TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS': '30',  # under 1 byte/s for 30 s: give up
+    'TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES': '1',
+}
+
+
 def _spec(scheme: str, bucket: str, prefix: str, retries: Mapping[str, Any]) -> dict:
   path = prefix + '/' if prefix else ''
   if scheme == 'file':
     return {'driver': 'file', 'path': path}
+  for name, value in HTTP_TIMEOUTS.items():
+    os.environ.setdefault(name, value)
   if scheme == 'gs':
     emulator = os.environ.get('STORAGE_EMULATOR_HOST')
     if emulator and not os.environ.get('TENSORSTORE_GCS_HTTP_URL'):

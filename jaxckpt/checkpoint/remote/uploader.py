@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .. import manifest
+from ..atomic import TMP_MARK
 from ..errors import CheckpointError
 from ..policy import RetentionPolicy
 from .objects import PART_BYTES, committed, delete, inspect, step_prefix, upload
@@ -44,8 +45,11 @@ class Uploader:
                start_step: int | None = None,
                best_metric: str = 'heldout_loss',
                warn_every_secs: float = 60.0,
-               part_bytes: int = PART_BYTES):
+               part_bytes: int = PART_BYTES,
+               mirror: tuple[Path, str] | None = None):
     self.store, self.retention, self.lease = store, retention, lease
+    # (local directory, key prefix) kept equal after each commit: the exports.
+    self._mirror, self._mirrored = mirror, {}
     self._on_event, self._best_metric = on_event, best_metric
     self._part_bytes, self._warn_every = part_bytes, warn_every_secs
     self.remote_step = start_step
@@ -135,13 +139,15 @@ class Uploader:
     data = {n: (r() if callable(r) else r) for n, r in records.items()}
     m = manifest.read(step_dir)
     may_commit = self.lease.renew if self.lease is not None else (lambda: None)
-    sent = upload(
-        self.store, step_dir, data, may_commit=may_commit, part_bytes=self._part_bytes)
+    sent = upload(self.store, step_dir, data, may_commit=may_commit, part_bytes=self._part_bytes)
+    seconds = time.monotonic() - t0
+    self._metrics[step] = (m.get('metrics') or {}).get(self._best_metric)
+    self._apply_retention(step)
+    if self._mirror is not None:  # before `remote_step` moves: a waiter sees the exports too
+      self._mirror_dir(*self._mirror)
     with self._cv:
       self.remote_step = max(step, self.remote_step or step)
-      self._metrics[step] = (m.get('metrics') or {}).get(self._best_metric)
       recovered, self.error = self.error is not None, None
-    seconds = time.monotonic() - t0
     self._on_event(
         'uploaded',
         step=step,
@@ -150,9 +156,8 @@ class Uploader:
         url=self.store.join(step_prefix(step).rstrip('/')))
     if recovered:
       logging.warning('remote store %s is back: step %d is durable there', self.store.url, step)
-    self._apply_retention()
 
-  def _apply_retention(self) -> None:
+  def _apply_retention(self, newest: int) -> None:
     try:
       remote = committed(self.store)
       for s in remote:
@@ -160,13 +165,35 @@ class Uploader:
           _, m, _, _ = inspect(self.store, s, remote[s])
           self._metrics[s] = ((m or {}).get('metrics') or {}).get(self._best_metric)
       metric = {s: v for s, v in self._metrics.items() if s in remote and v is not None}
-      doomed = [s for s in self.retention.to_delete(remote, metric) if s < self.remote_step]
+      doomed = [s for s in self.retention.to_delete(remote, metric) if s < newest]
       for s in doomed:
         delete(self.store, s)
       if doomed:
         self._on_event('remote_retention', deleted=doomed)
     except (CheckpointError, OSError) as e:
       self._on_event('remote_retention_failed', error=str(e))
+
+  def _mirror_dir(self, local: Path, prefix: str) -> None:
+    """Uploads the files under `local` that are new or changed since last time and deletes the
+    remote ones that are gone locally; names with a temporary mark (a write in progress) are
+    left for next time. A failure is an event; the next commit tries again."""
+    try:
+      files = {
+          str(p.relative_to(local)): p
+          for p in sorted(local.rglob('*'))
+          if p.is_file() and TMP_MARK not in str(p.relative_to(local))
+      }
+      for rel, path in files.items():
+        stat = path.stat()
+        if self._mirrored.get(rel) != (stat.st_size, stat.st_mtime_ns):
+          self.store.write(prefix + rel, path.read_bytes())
+          self._mirrored[rel] = (stat.st_size, stat.st_mtime_ns)
+      gone = [k for k in self.store.list(prefix) if k[len(prefix):] not in files]
+      self.store.delete_many(gone)
+      for key in gone:
+        self._mirrored.pop(key[len(prefix):], None)
+    except (CheckpointError, OSError) as e:
+      self._on_event('mirror_failed', prefix=prefix, error=str(e))
 
   def _fail(self, step: int, e: Exception, *, fatal: bool = False) -> None:
     message = e.line() if isinstance(e, CheckpointError) else f'{type(e).__name__}: {e}'
