@@ -1,15 +1,16 @@
 """The `jaxckpt` command: tools that work on a run directory or a checkpoint.
 
-    jaxckpt inspect  CKPT [--json]          identity, step and every tensor, without loading arrays
-    jaxckpt verify   CKPT|WORKDIR           every file against its manifest
-    jaxckpt export   CKPT|FILE.bin --format=safetensors|hf|bin --out=PATH
-    jaxckpt evaluate --workdir=DIR [--follow]
+    jaxckpt inspect  CKPT|URL [--json]      identity, step and every tensor, without loading arrays
+    jaxckpt verify   CKPT|WORKDIR|URL       every file against its manifest
+    jaxckpt export   CKPT|URL|FILE.bin --format=safetensors|hf|bin --out=PATH
+    jaxckpt evaluate --workdir=DIR|URL [--follow]
     jaxckpt pivot    --workdir=DIR          archive the phase's satellites; the next start is a new phase
     jaxckpt plot     --workdir=DIR [--out=loss.png]
 
 Each subcommand lives in its own module (`jaxckpt/cli/<name>_command.py`, a `main(argv)`), and is
-imported only when used: jax is slow to import, and `inspect` never needs it. The trainer's own
-entry point is `python -m jaxckpt.main`.
+imported only when used: jax is slow to import, and `inspect` never needs it. A URL is a remote
+run or checkpoint (s3://, gs://, file://; `remote_args`). The trainer's own entry point is
+`python -m jaxckpt.main`.
 """
 
 from __future__ import annotations
