@@ -46,7 +46,18 @@ def validate_config(config) -> None:
   init_from_lib.validate(config)
   checkpoint_options(config)  # validates mode and counts
   cadence_options(config)  # validates the automatic cadence's prior and bounds
+  _validate_remote(config.checkpoint)
   during_training.options_from_config(config)  # validates export cadence, formats, retention
+
+
+def _validate_remote(c) -> None:
+  """The remote tier's times (the URL itself is checked, with the store, before step 1)."""
+  if not c.get('remote_lease_secs', 60.0) > 0:
+    raise ConfigError('E-CONFIG-004', f'checkpoint remote_lease_secs={c.remote_lease_secs} is not '
+                      'positive', 'set --remote_lease_secs to seconds, e.g. 60')
+  if not c.get('stop_grace_secs', 25.0) >= 0:
+    raise ConfigError('E-CONFIG-004', f'checkpoint stop_grace_secs={c.stop_grace_secs} is '
+                      'negative', 'set --stop_grace_secs to seconds (0: do not wait)')
 
 
 def checkpoint_options(config):

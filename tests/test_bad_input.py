@@ -29,6 +29,8 @@ CASES = [
     ('unknown flag', ['--no_such_flag=1'], 'E-USAGE-001', 'no_such_flag'),
     ('bad checkpoint mode', ['--checkpoint_mode=sometimes'], 'E-USAGE-001', 'sometimes'),
     ('missing flagfile', ['--flagfile={inputs}/no_flagfile'], 'E-USAGE-001', 'no_flagfile'),
+    ('lease of no time', ['--remote_lease_secs=0'], 'E-CONFIG-004', 'remote_lease_secs=0'),
+    ('negative stop grace', ['--stop_grace_secs=-1'], 'E-CONFIG-004', 'stop_grace_secs=-1'),
 ]
 
 
