@@ -32,6 +32,17 @@ def train(cache, workdir, count: int, *flags: str, timeout: float = 240):
   return results
 
 
+def launch_training(cache, workdir):
+  """2 processes of a long run, returned once they are past step 5."""
+  procs = launch(cache, workdir, 2, '--config.train.steps=100000', '--checkpoint_every=0')
+  status = Path(workdir) / 'status.json'
+  wait_for(
+      lambda: status.exists() and json.loads(status.read_text()).get('step', 0) >= 5,
+      procs[0],
+      timeout=180)
+  return procs
+
+
 def arrays(workdir, step: int):
   from jaxckpt.checkpoint.formats import read_host_arrays
   return read_host_arrays(Path(workdir) / 'checkpoints' / f'step_{step:08d}')
@@ -62,12 +73,7 @@ def test_sigkill_of_every_process_then_the_same_command_is_bit_identical(tmp_pat
 
 
 def test_sigterm_to_one_process_stops_all_after_the_same_step(tmp_path, compile_cache):
-  procs = launch(compile_cache, tmp_path, 2, '--config.train.steps=100000', '--checkpoint_every=0')
-  status = tmp_path / 'status.json'
-  wait_for(
-      lambda: status.exists() and json.loads(status.read_text()).get('step', 0) >= 5,
-      procs[0],
-      timeout=180)
+  procs = launch_training(compile_cache, tmp_path)
   procs[1].send_signal(signal.SIGTERM)
   results = finish_processes(procs, timeout=120)
   lines = [
@@ -80,7 +86,7 @@ def test_sigterm_to_one_process_stops_all_after_the_same_step(tmp_path, compile_
   assert committed_steps(tmp_path) == [step]  # one checkpoint, of that step, from both
   assert len(manifest(tmp_path, step)['state_files']) == 2
   assert events_of(tmp_path, 'interrupted')[-1]['step'] == step
-  assert json.loads(status.read_text())['state'] == 'interrupted'
+  assert json.loads((tmp_path / 'status.json').read_text())['state'] == 'interrupted'
 
 
 def test_four_processes_then_two_then_one_continue_the_run(tmp_path, compile_cache):
@@ -146,12 +152,7 @@ def test_orbax_storage_across_two_processes_saves_and_resumes(tmp_path, compile_
 
 
 def test_sigusr1_to_one_process_checkpoints_on_all_and_training_goes_on(tmp_path, compile_cache):
-  procs = launch(compile_cache, tmp_path, 2, '--config.train.steps=100000', '--checkpoint_every=0')
-  status = tmp_path / 'status.json'
-  wait_for(
-      lambda: status.exists() and json.loads(status.read_text()).get('step', 0) >= 5,
-      procs[0],
-      timeout=180)
+  procs = launch_training(compile_cache, tmp_path)
   procs[1].send_signal(signal.SIGUSR1)
   wait_for(lambda: committed_steps(tmp_path), procs[0], timeout=120)
   procs[0].send_signal(signal.SIGTERM)
