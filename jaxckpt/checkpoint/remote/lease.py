@@ -70,15 +70,17 @@ class Lease:
     A holder that has missed a renewal (silent for over half its TTL: the VM this one replaces,
     most likely) is waited for until its lease is stale, then taken over; one that renews in the
     meantime is alive, and refused."""
+    waited = False
     for _ in range(4):  # another taker can win a race between our read and our write
       raw, generation = self.store.read_generation(LEASE)
       holder = _parse(raw)
       if raw is not None and holder is not None and not self._stale(holder):
         ttl, age = float(holder.get('ttl_secs', self.ttl)), _age(holder)
-        if age > ttl / 2 and not getattr(self, '_waited', False):
-          self._waited = True
-          logging.warning('the lease on %s was last renewed %.0f s ago by %s; waiting %.0f s '
-                          'to take it over', self.store.url, age, holder.get('host'), ttl - age)
+        if age > ttl / 2 and not waited:
+          waited = True
+          logging.warning(
+              'the lease on %s was last renewed %.0f s ago by %s; waiting %.0f s '
+              'to take it over', self.store.url, age, holder.get('host'), ttl - age)
           time.sleep(ttl - age + 0.1)
           continue
         raise LeaseError(

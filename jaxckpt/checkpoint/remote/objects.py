@@ -22,7 +22,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .. import atomic, layout, manifest
+from .. import atomic, discovery, layout, manifest
 from ..checksum import crc32, crc32_combine
 from ..errors import CheckpointError
 from .store import Store, StoreError
@@ -79,18 +79,17 @@ def upload(store: Store,
            *,
            may_commit: Callable[[], None] = lambda: None,
            part_bytes: int = PART_BYTES,
-           parallel: int = PARALLEL) -> int:
+           parallel: int = PARALLEL) -> tuple[int, dict[str, Any]]:
   """Copies the committed checkpoint `step_dir` and `records` ({name: bytes}) to `store`; returns
-  the bytes sent. The manifest goes last, after `may_commit()` (which raises to refuse: a lost
+  (the bytes sent, its manifest). The manifest goes last, after `may_commit()` (which raises to refuse: a lost
   lease). Every file is opened before the first byte is sent, so local retention deleting the
   checkpoint meanwhile cannot cut an upload short."""
-  raw, m = _local_manifest(step_dir)
+  raw, m = discovery.read_manifest_bytes(step_dir)
   step, files = m['step'], m['files']
   prefix = step_prefix(step)
   handles = {rel: open(layout.safe_member(step_dir, rel), 'rb') for rel in files}
   try:
-    if store.read(prefix + layout.MANIFEST) is not None:  # replacing: uncommit it first
-      store.delete(prefix + layout.MANIFEST)
+    store.delete(prefix + layout.MANIFEST)  # replacing one: uncommit it first
     sent = 0
     tasks = []
     for rel, want in files.items():
@@ -111,7 +110,7 @@ def upload(store: Store,
   })
   may_commit()
   store.write(prefix + layout.MANIFEST, raw)
-  return sent + sum(len(b) for b in records.values()) + len(raw)
+  return sent + sum(len(b) for b in records.values()) + len(raw), m
 
 
 def _put_part(store: Store, key: str, f, start: int, stop: int):
@@ -124,11 +123,6 @@ def _put_part(store: Store, key: str, f, start: int, stop: int):
     return key, store.start_write(key, data)
 
   return task
-
-
-def _local_manifest(step_dir: Path) -> tuple[bytes, dict[str, Any]]:
-  raw = (step_dir / layout.MANIFEST).read_bytes()
-  return raw, manifest.parse(step_dir, raw)
 
 
 def committed(store: Store) -> dict[int, list[str]]:
@@ -241,7 +235,7 @@ def download(
         os.fsync(f.fileno())
       crc = 0
       for start in sorted(crcs):
-        crc = crc32_combine(crc, *crcs[start]) if start else crcs[start][0]
+        crc = crc32_combine(crc, *crcs[start])  # from crc32(b'') == 0
       if f'{crc:08x}' != want['crc32']:
         raise CheckpointError(
             'E-STORE-012', f'{store.join(prefix + rel)}: checksum mismatch (crc32 {crc:08x}, '

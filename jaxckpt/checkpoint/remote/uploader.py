@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .. import manifest
 from ..atomic import TMP_MARK
 from ..errors import CheckpointError
 from ..policy import RetentionPolicy
@@ -126,7 +125,6 @@ class Uploader:
         with self._cv:
           if self._pending is None or self._pending[0] < step:
             self._pending = (step, step_dir, records)  # retry it, unless a newer one came
-          self._busy_step = None
           self._cv.wait(timeout=backoff)
         backoff = min(backoff * 2, _BACKOFF[1])
       finally:
@@ -137,9 +135,8 @@ class Uploader:
   def _upload(self, step: int, step_dir: Path, records: Records) -> None:
     t0 = time.monotonic()
     data = {n: (r() if callable(r) else r) for n, r in records.items()}
-    m = manifest.read(step_dir)
     may_commit = self.lease.renew if self.lease is not None else (lambda: None)
-    sent = upload(self.store, step_dir, data, may_commit=may_commit, part_bytes=self._part_bytes)
+    sent, m = upload(self.store, step_dir, data, may_commit=may_commit, part_bytes=self._part_bytes)
     seconds = time.monotonic() - t0
     self._metrics[step] = (m.get('metrics') or {}).get(self._best_metric)
     self._apply_retention(step)
