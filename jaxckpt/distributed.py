@@ -235,6 +235,43 @@ def first_problem(name: str, problem: str | None) -> str | None:
   return next((r for r in reports if r), None)
 
 
+def agree(name: str, value: str, what: str) -> None:
+  """E-DIST-008 unless every process has the same `value` of `what`."""
+  if _cluster.count == 1:
+    return
+  _cluster.client().key_value_set(f'{_PREFIX}/{name}/{_cluster.index}', value, allow_overwrite=True)
+  values = [_wait(_cluster, f'{_PREFIX}/{name}/{k}', name) for k in range(_cluster.count)]
+  if len(set(values)) > 1:
+    raise JaxckptError(
+        'E-DIST-008', f'the processes disagree on {what}: ' +
+        ', '.join(f'process {k}: {v}' for k, v in enumerate(values)),
+        "every host's workdir must hold the same checkpoints: one shared filesystem, or --remote "
+        '(README: Many hosts)')
+
+
+def shared_workdir(workdir: Path, *, remote: bool, config) -> bool:
+  """Whether every process sees `workdir` as one filesystem. Where it is each host's own disk,
+  each host's part of a checkpoint stays there: only with --remote (which holds them whole) and
+  jaxckpt's own files (one per process) can the run go on; otherwise E-DIST-007, exit 2."""
+  if _cluster.count == 1:
+    return True
+  from jaxckpt.checkpoint.multihost import Group  # pylint: disable=import-outside-toplevel
+  if Group(_cluster.timeout_secs).open(Path(workdir)):
+    return True
+  storage = config.checkpoint.get('storage', 'auto')
+  if not remote or storage == 'orbax':
+    why = 'storage=orbax needs one filesystem' if remote else 'there is no --remote'
+    raise UsageError(
+        'E-DIST-007', f'--workdir={workdir} is not one filesystem across the {_cluster.count} '
+        f"processes (process 0's files there are not seen by every process) and {why}",
+        'put the workdir on a filesystem every host mounts, or add --remote=URL: each host then '
+        'keeps and uploads its own part, and a restart resumes from the remote')
+  logging.info(
+      "the workdir is on each host's own disk: each uploads its own part; a restart "
+      'resumes from %s', config.checkpoint.remote)
+  return False
+
+
 def _wait(cluster: Cluster, key: str, what: str) -> str:
   try:
     return cluster.client().blocking_key_value_get(key, int(cluster.timeout_secs * 1000))

@@ -10,6 +10,9 @@
   `remote_lag_steps` and `remote_error`.
 - `finish` gives the upload of the last checkpoint its time: `stop_grace_secs` after a stop
   signal, longer at the end of a run, and says on stderr which step is durable where.
+- Across processes every one checks access and uploads its own part of each checkpoint; process
+  0 holds the lease, writes the records and commits (`jaxckpt.checkpoint.remote.parts`). With a
+  workdir on each host's own disk, every process downloads the checkpoint it resumes from.
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ from absl import logging
 
 from jaxckpt.checkpoint import (CheckpointError, CheckpointOptions, CommitInfo, RetentionPolicy,
                                 atomic, discovery, layout)
-from jaxckpt.checkpoint.remote import Lease, LeaseError, Store, StoreError, Uploader, objects
-from jaxckpt.errors import ConfigError, UsageError
+from jaxckpt import distributed
+from jaxckpt.checkpoint.remote import (Lease, LeaseError, Parts, Store, StoreError, Uploader,
+                                       objects)
+from jaxckpt.errors import ConfigError, JaxckptError, UsageError
 from jaxckpt.runlog import RunLog
 from jaxckpt.workdir import BANDIT, EVENTS, EXPORTS, LOSSES, SAMPLES, STATUS
 
@@ -139,9 +144,15 @@ def _access_error(store: Store, stage: str, e: StoreError) -> UsageError:
 class RemoteRun:
   """The remote tier of one trainer invocation."""
 
-  def __init__(self, store: Store, workdir: Path, config):
+  def __init__(self,
+               store: Store,
+               workdir: Path,
+               config,
+               cluster: distributed.Cluster = distributed.Cluster()):
     c = config.checkpoint
     self.store, self.workdir, self.config = store, Path(workdir), config
+    self.leader = cluster.leader  # holds the lease, writes the records, commits
+    self.parts = Parts(cluster.index, cluster.count) if cluster.count > 1 else None
     self.lease = Lease(store, ttl_secs=c.remote_lease_secs)
     self.taken_over: dict[str, Any] | None = None
     self.uploader: Uploader | None = None
@@ -153,12 +164,22 @@ class RemoteRun:
 
   @classmethod
   @contextlib.contextmanager
-  def opened(cls, config, workdir: Path, leader: bool = True) -> Iterator['RemoteRun | None']:
+  def opened(
+      cls, config, workdir: Path, cluster: distributed.Cluster = distributed.Cluster()
+  ) -> Iterator['RemoteRun | None']:
     """`open`, and at the end `finish`: the last commit gets `stop_grace_secs` to become durable
-    after a stop signal or a failure, `FINISH_SECS` at the end of a run. Across processes (one
-    shared workdir) only the `leader` (process 0) has a remote tier: it uploads every process's
-    files of each committed checkpoint."""
-    run = cls.open(config, workdir) if leader else None
+    after a stop signal or a failure, `FINISH_SECS` at the end of a run. Across processes every
+    one opens it, and a failure on any one stops them all."""
+    try:
+      run, problem = cls.open(config, workdir, cluster), None
+    except JaxckptError as e:
+      run, problem = None, e
+    other = distributed.first_problem('remote_open', problem and problem.line())
+    if problem is not None:
+      raise problem
+    if other is not None:
+      raise UsageError('E-DIST-009', f'another process could not open --remote: {other}',
+                       'fix what that line says; every process needs the same access')
     if run is None:
       yield None
       return
@@ -170,14 +191,19 @@ class RemoteRun:
     run.finish(run._last_local, stopping=False)
 
   @classmethod
-  def open(cls, config, workdir: Path) -> 'RemoteRun | None':
-    """Checks access and takes the lease, before anything is compiled; None without --remote."""
+  def open(
+      cls, config, workdir: Path,
+      cluster: distributed.Cluster = distributed.Cluster()) -> 'RemoteRun | None':
+    """Checks access and (process 0) takes the lease, before anything is compiled; None without
+    --remote."""
     url = config.checkpoint.get('remote', '')
     if not url:
       return None
     store = open_store(url)
     check_access(store)
-    run = cls(store, workdir, config)
+    run = cls(store, workdir, config, cluster)
+    if not run.leader:
+      return run
     try:
       run.taken_over = run.lease.acquire()
     except LeaseError as e:
@@ -215,13 +241,21 @@ class RemoteRun:
         if self.start_step == step:
           self.start_step = None
 
+  def resume_point(self, ckpt_dir: Path) -> Path | None:
+    """Where each host's workdir is its own disk: the newest intact remote checkpoint, which
+    `sync_down` brought here (None: the remote holds none, a fresh start). This host's own parts
+    of newer checkpoints cannot be restored without the others' and are passed over."""
+    if self.start_step is None:
+      return None
+    return ckpt_dir / layout.step_dirname(self.start_step)
+
   def _fetch(self, step: int, ckpt_dir: Path, local_step: int | None) -> None:
     t0 = time.monotonic()
     logging.info('fetching step %d from %s (the newest intact checkpoint%s)', step, self.store.url,
                  f'; local has {local_step}' if local_step is not None else '')
     path, records = objects.download(self.store, step, ckpt_dir, progress=_Progress(step))
     for name, data in records.items():
-      if name in APPEND_ONLY + REWRITTEN:
+      if name in APPEND_ONLY + REWRITTEN and self.leader:
         atomic.write_file_durably(self.workdir / name, data)
     self.fetched = {
         'step': step, 'url': self.store.join(objects.step_prefix(step)),
@@ -245,10 +279,11 @@ class RemoteRun:
     self.uploader = Uploader(
         self.store,
         retention=retention,
-        lease=self.lease,
+        lease=self.lease if self.leader else None,
         on_event=self._on_event,
         start_step=self.start_step,
-        mirror=(self.workdir / EXPORTS, EXPORTS + '/'))
+        mirror=(self.workdir / EXPORTS, EXPORTS + '/') if self.leader else None,
+        parts=self.parts)
     local, _ = discovery.latest_intact(ckpt_dir, checksums=False)
     if local is not None:
       step = layout.parse_step(local.name)
@@ -274,7 +309,8 @@ class RemoteRun:
   def capture(self, step: int) -> None:
     """Called by `save(step)` before the checkpoint is handed over: these records travel with
     it."""
-    self._records[step] = self.capture_now()
+    if self.leader:  # the others upload their part of the state alone
+      self._records[step] = self.capture_now()
 
   def on_commit(self, info: CommitInfo) -> None:
     self._last_local = info.step
@@ -316,7 +352,12 @@ class RemoteRun:
       logging.info('waiting up to %.0f s for step %d to reach %s', grace, step, self.store.url)
     done = self.uploader.wait(step, timeout=grace)
     local = self.workdir / 'checkpoints' / layout.step_dirname(step)
-    if done:
+    if not self.leader:  # its part; process 0 says where the whole checkpoint is
+      where = self.store.join(objects.step_prefix(step))
+      line = (f'process {self.parts.index}: its part of step {step} is ' +
+              (f'uploaded to {where}' if done else
+               f'not uploaded ({self.uploader.error or f"not done within {grace:g} s"})'))
+    elif done:
       line = f'step {step} is durable in {self.store.join(objects.step_prefix(step))}'
     else:
       line = (f'step {step} is committed locally only ({local}); {self.store.url} holds step '

@@ -120,12 +120,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   validate_config(config)
   workdir = Path(workdir)
   with watcher or signals.PreemptionWatcher() as watcher, distributed.run_lock(workdir) as lock, \
-      RemoteRun.opened(config, workdir, distributed.leader()) as remote:  # before any compile
+      RemoteRun.opened(config, workdir, distributed.current()) as remote:  # before any compile
     ckpt_dir = checkpoints_dir(workdir)
+    shared = distributed.shared_workdir(workdir, remote=remote is not None, config=config)
     if remote is not None:  # a newer remote checkpoint (and its records) comes down
-      remote.sync_down(ckpt_dir, fetch=resume == 'latest')
+      remote.sync_down(ckpt_dir, fetch=resume == 'latest' and (distributed.leader() or not shared))
     distributed.first_problem('remote_synced', None)  # the others wait for process 0's download
-    resume_dir = resume_lib.find_resume_point(resume, ckpt_dir)
+    if shared or resume != 'latest':
+      resume_dir = resume_lib.find_resume_point(resume, ckpt_dir)
+    else:  # each host's own disk holds its parts alone: the remote's newest is the whole one
+      resume_dir = remote.resume_point(ckpt_dir)
+    distributed.agree('resume', str(resume_dir and resume_dir.name),
+                      'the checkpoint to resume from')
     dataset = data_lib.from_config(config)
     trainer = build_trainer(config)
     pin = init_from_lib.pin(config.train.get('init_from', ''), fresh=resume_dir is None)

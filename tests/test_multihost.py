@@ -50,6 +50,7 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
   shardings = {n: NamedSharding(mesh, P(*spec)) for n, (_, _, spec) in SPECS.items()}
   storage = rest[-1] if rest and not rest[-1].isdigit() else 'auto'
   timeout = 3.0 if cmd == 'stall' else 120.0
+  directory = directory.format(k=process)  # 'host{k}': each process its own disk
   mgr = CheckpointManager(directory,
                           CheckpointOptions(storage=storage, barrier_timeout_secs=timeout))
   if cmd in ('save', 'stall'):
@@ -141,6 +142,26 @@ def test_orbax_saves_and_restores_across_two_processes(tmp_path, compile_cache):
   assert meta['storage'] == 'orbax'
   assert_all_ok(run(tmp_path, compile_cache, 'restore', 2, 'orbax'), 'restored 1 on 2')
   assert_same_bytes(read_host_arrays(step_dir(tmp_path, 2)), expected())
+
+
+def test_on_each_host_own_disk_each_commits_its_part_under_the_whole_manifest(
+    tmp_path, compile_cache):
+  from jaxckpt.checkpoint.formats import read_host_arrays
+  (tmp_path / 'host1' / 'step_00000007.tmp-000000000007').mkdir(parents=True)  # a crash's debris
+  assert_all_ok(run(f'{tmp_path}/host{{k}}', compile_cache, 'save', 2, '7'), 'saved')
+  hosts = [step_dir(tmp_path / f'host{k}', 7) for k in range(2)]
+  files = [f'state/process_{k}.safetensors' for k in range(2)]
+  manifests = [json.loads((h / 'manifest.json').read_text()) for h in hosts]
+  for k, (host, meta) in enumerate(zip(hosts, manifests)):
+    assert sorted(meta['files']) == ['run_state.json', *files], meta['files']
+    assert sorted(str(p.relative_to(host)) for p in host.rglob('*.safetensors')) == [files[k]]
+  assert manifests[0]['files'] == manifests[1]['files'] and manifests[0]['tensors'] == \
+      manifests[1]['tensors']
+  assert not (tmp_path / 'host1' / 'step_00000007.tmp-000000000007').exists()
+  assert not list(tmp_path.rglob('.jaxckpt-shared'))
+  # Brought together (what a download from the remote tier does), the parts are the state.
+  (hosts[0] / files[1]).write_bytes((hosts[1] / files[1]).read_bytes())
+  assert_same_bytes(read_host_arrays(hosts[0]), expected())
 
 
 def test_a_process_that_never_arrives_is_named_and_nothing_is_committed(tmp_path, compile_cache):

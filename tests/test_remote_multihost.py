@@ -1,10 +1,15 @@
-"""--remote with 2 real jax.distributed processes on one shared workdir: process 0 checks access,
-holds the lease and uploads each committed checkpoint (every process's file); a fresh shared
-workdir resumes from the remote on both processes, bit-exactly."""
+"""--remote with 2 real jax.distributed processes: each checks access and uploads its own part of
+each checkpoint, process 0 holds the lease and commits once every part is there. On one shared
+workdir or on each host's own disk, a fresh start resumes from the remote, bit-exactly."""
 
+import json
 import shutil
+import signal
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from conftest import (TINY, assert_same_bytes, events_of, finish_processes, losses, start_processes,
                       wait_for)
@@ -16,9 +21,10 @@ FLAGS = ('--config.train.steps=60', '--checkpoint_every=5', '--config.train.log_
 
 def _launch(cache, workdir, *flags):
   return start_processes(
-      lambda k, coordinator: [
-          sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}', f'--workdir={workdir}', *FLAGS,
-          *flags, f'--coordinator_address={coordinator}', '--num_processes=2', f'--process_id={k}'
+      lambda k, coordinator: [  # 'DIR/host{k}': each process its own disk
+          sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}',
+          f'--workdir={str(workdir).format(k=k)}', *FLAGS, *flags,
+          f'--coordinator_address={coordinator}', '--num_processes=2', f'--process_id={k}'
       ],
       2,
       cache=cache)
@@ -42,14 +48,17 @@ def _arrays(workdir, step):
   return read_host_arrays(Path(workdir) / 'checkpoints' / f'step_{step:08d}')
 
 
-def test_two_processes_resume_from_the_remote_on_a_fresh_workdir(tmp_path, compile_cache,
-                                                                 s3_server):
-  url = s3_server.bucket()
-  store = Store(url)
-  _train(compile_cache, tmp_path / 'straight')
-  first = tmp_path / 'first'
-  procs = _launch(compile_cache, first, f'--remote={url}', '--remote_lease_secs=2')
-  wait_for(lambda: any(s >= 20 for s in _remote_steps(store)), procs[0], timeout=180)
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory, compile_cache) -> Path:
+  """The run never stopped, on 2 processes and one workdir."""
+  workdir = tmp_path_factory.mktemp('straight')
+  _train(compile_cache, workdir)
+  return workdir
+
+
+def _kill_when_uploaded(procs, store, at_least: int = 20) -> int:
+  """SIGKILL every process once the remote holds step `at_least`; the newest remote step."""
+  wait_for(lambda: any(s >= at_least for s in _remote_steps(store)), procs[0], timeout=180)
   for p in procs:
     p.kill()
   finish_processes(procs)
@@ -57,19 +66,102 @@ def test_two_processes_resume_from_the_remote_on_a_fresh_workdir(tmp_path, compi
   assert at_kill < 60, 'the run finished before it could be killed'
   keys = store.list(f'checkpoints/step_{at_kill:08d}/state/')
   assert {k.rsplit('/', 1)[1].split('.')[0] for k in keys} == {'process_0', 'process_1'}
-  shutil.rmtree(first)
   wait_for(lambda: store.read('LEASE') is None or _stale(store, 2))
+  return at_kill
+
+
+def test_two_processes_resume_from_the_remote_on_a_fresh_workdir(tmp_path, compile_cache, s3_server,
+                                                                 straight):
+  url = s3_server.bucket()
+  store = Store(url)
+  first = tmp_path / 'first'
+  at_kill = _kill_when_uploaded(
+      _launch(compile_cache, first, f'--remote={url}', '--remote_lease_secs=2'), store)
+  shutil.rmtree(first)
 
   fresh = tmp_path / 'fresh'
-  _train(compile_cache, fresh, f'--remote={url}')
+  results = _train(compile_cache, fresh, f'--remote={url}')
+  assert 'uploaded its part of step 60' in results[1][1], results[1][1][-3000:]
   assert [e['step'] for e in events_of(fresh, 'fetched')] == [at_kill]
   assert [e['step'] for e in events_of(fresh, 'resumed')] == [at_kill]
-  assert_same_bytes(_arrays(fresh, 60), _arrays(tmp_path / 'straight', 60))
-  assert losses(fresh) == losses(tmp_path / 'straight')
+  assert_same_bytes(_arrays(fresh, 60), _arrays(straight, 60))
+  assert losses(fresh) == losses(straight)
   assert _remote_steps(store)[-1] == 60
 
 
+def test_on_each_host_own_disk_each_uploads_its_part_and_a_new_host_resumes(
+    tmp_path, compile_cache, s3_server, straight):
+  url = s3_server.bucket()
+  store = Store(url)
+  hosts = [tmp_path / 'host0', tmp_path / 'host1']
+  at_kill = _kill_when_uploaded(
+      _launch(compile_cache, tmp_path / 'host{k}', f'--remote={url}', '--remote_lease_secs=2'),
+      store)
+  # Neither host ever held the other's part: process 1's part reached the store from host 1.
+  for k, host in enumerate(hosts):
+    assert list(host.rglob(f'process_{1 - k}.safetensors')) == []
+    assert list(host.rglob(f'process_{k}.safetensors'))
+
+  shutil.rmtree(hosts[1])  # host 1's VM is replaced; host 0 keeps its disk
+  results = _train(compile_cache, tmp_path / 'host{k}', f'--remote={url}')
+  assert 'uploaded its part of step 60' in results[1][1], results[1][1][-3000:]
+  assert [e['step'] for e in events_of(hosts[0], 'resumed')][-1] == at_kill
+  assert _remote_steps(store)[-1] == 60
+  whole = objects.download(store, 60, tmp_path / 'downloaded')[0]
+  assert_same_bytes(read_host_arrays(whole), _arrays(straight, 60))
+  assert losses(hosts[0]) == losses(straight)
+
+
+def test_each_host_own_disk_without_remote_is_refused(tmp_path, compile_cache):
+  procs = _launch(compile_cache, tmp_path / 'host{k}')
+  for k, (code, out) in enumerate(finish_processes(procs, timeout=120)):
+    assert code == 2 and 'E-DIST-007' in out and 'add --remote=URL' in out, (k, out[-3000:])
+    assert 'Traceback' not in out
+  assert not list(tmp_path.rglob('step_*'))
+
+
+def test_a_lost_lease_stops_every_process_writing_to_the_prefix(tmp_path, compile_cache, s3_server):
+  url = s3_server.bucket()
+  store = Store(url)
+  procs = _launch(compile_cache, tmp_path / 'run', f'--remote={url}', '--remote_lease_secs=2',
+                  '--config.train.steps=100000', '--config.train.log_every=100000')
+  try:
+    wait_for(lambda: any(s >= 10 for s in _remote_steps(store)), procs[0], timeout=180)
+    other = {'id': 'other', 'host': 'elsewhere', 'pid': 1, 'started_at': time.time()}
+    store.write('LEASE', json.dumps({**other, 'renewed_at': time.time()}).encode())
+    wait_for(lambda: json.loads(store.read('LEASE')) and _lease_lost(tmp_path / 'run'), procs[0])
+    taken = sorted(store.list('checkpoints/'))
+    wait_for(lambda: _committed_locally(tmp_path / 'run') > _newest(taken) + 20, procs[0])
+  finally:
+    for p in procs:
+      p.send_signal(signal.SIGTERM)
+  results = finish_processes(procs)
+  assert [code for code, _ in results] == [143, 143], results[1][1][-3000:]
+  # Training went on, but no process wrote under the prefix after the lease was lost, beyond
+  # the part of a step it was already sending.
+  written = sorted(set(store.list('checkpoints/')) - set(taken))
+  assert all(_step_of(k) <= _newest(taken) + 5 for k in written), written
+  assert 'E-STORE-007: process 0 stopped the uploads' in results[1][1], results[1][1][-3000:]
+  assert 'its part of step' in results[1][1] and 'is not uploaded' in results[1][1]
+  assert json.loads(store.read('LEASE'))['id'] == 'other'
+
+
+def _lease_lost(workdir) -> bool:
+  return bool((workdir / 'events.jsonl').exists() and events_of(workdir, 'lease_lost'))
+
+
+def _committed_locally(workdir) -> int:
+  steps = [int(p.parent.name[5:]) for p in (workdir / 'checkpoints').glob('step_*/manifest.json')]
+  return max(steps, default=0)
+
+
+def _step_of(key: str) -> int:
+  return int(key.split('/')[1][5:])
+
+
+def _newest(keys) -> int:
+  return max(_step_of(k) for k in keys)
+
+
 def _stale(store, ttl) -> bool:
-  import json
-  import time
   return time.time() - json.loads(store.read('LEASE'))['renewed_at'] > ttl + 0.2

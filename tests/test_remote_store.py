@@ -108,6 +108,9 @@ def test_uploader_retries_until_the_store_is_back(s3_server, local_checkpoint):
 def test_remote_retention_deletes_only_after_a_newer_commit(s3_server, local_checkpoint):
   from jaxckpt.checkpoint import RetentionPolicy
   store = Store(s3_server.bucket())
+  # The parts of an upload abandoned before its commit: debris once a newer step commits.
+  objects.upload(store, local_checkpoint / layout.step_dirname(1), {}, commit=False)
+  assert objects.uncommitted(store) == [1] and not objects.committed(store)
   uploader = Uploader(store, retention=RetentionPolicy(keep=1))
   try:
     uploader.submit(1, local_checkpoint / layout.step_dirname(1))
@@ -119,6 +122,18 @@ def test_remote_retention_deletes_only_after_a_newer_commit(s3_server, local_che
     uploader.close()
   wait_for(lambda: sorted(objects.committed(store)) == [2], timeout=10)
   assert not store.list('checkpoints/step_00000001/')
+
+
+def test_each_process_uploads_its_own_state_file_and_process_0_the_rest():
+  from jaxckpt.checkpoint.remote import Parts
+  files = ['run_state.json'] + [f'state/process_{k}.safetensors' for k in range(4)]
+  # A checkpoint of 4 processes, uploaded by 2: process 0 also takes the parts nobody runs.
+  assert Parts(
+      0, 2, client=object()).mine(files) == [
+          'run_state.json', 'state/process_0.safetensors', 'state/process_2.safetensors',
+          'state/process_3.safetensors'
+      ]
+  assert Parts(1, 2, client=object()).mine(files) == ['state/process_1.safetensors']
 
 
 @pytest.mark.parametrize('url, kind', [('az://x/y', 'E-STORE-001'), ('s3:///x', 'E-STORE-001')])

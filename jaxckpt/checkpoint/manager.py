@@ -75,15 +75,19 @@ class CheckpointManager:
     self.mode_used: str | None = None  # the mode the last save ran in ('async' or 'sync')
     self.staging_used: str | None = None  # where it staged the state first ('host', 'device')
     # Across processes every one opens its writer, process 0 cleans up, and all save together.
-    self._group = multihost.Group(self.directory, self.options.barrier_timeout_secs) if (
-        writer and jax.process_count() > 1) else None
+    self._group = multihost.Group(
+        self.options.barrier_timeout_secs) if (writer and jax.process_count() > 1) else None
     self._saves = 0
     if writer:
       self.directory.mkdir(parents=True, exist_ok=True)
-      if self._group is None or self._group.leader:
+
+      def tidy():
         self.removed_debris = layout.remove_debris(self.directory)
-      if self._group is not None:  # nobody writes before the debris is gone
-        self._group.sync('open', f'opening {self.directory}')
+
+      if self._group is None:
+        tidy()
+      else:  # nobody writes before the debris is gone
+        self._group.open(self.directory, tidy)
       steps = list(layout.committed_steps(self.directory))
       self._last_save_step = steps[-1] if steps else -1
 
@@ -241,24 +245,18 @@ class CheckpointManager:
         files, word = known, group.await_word(f'{seq}/commit', f'checkpoint step {step}')
         if word != 'ok':
           raise CheckpointError('E-DIST-003', f'process 0 did not commit: {word}')
+        if not group.shared:  # this host's part, under the manifest process 0 committed
+          files = manifest.commit(tmp, final, step, known, table, metadata, run_state_json)
       else:
-        atomic.write_file_durably(tmp / layout.RUN_STATE, run_state_json)
-        files = manifest.file_table(tmp, known=known)
-        sealed = manifest.sealed_json(manifest.build(step, files, table, metadata))
-        if final.exists():
-          _replace(tmp, final, sealed)  # an earlier history reached this step too
-        else:
-          os.rename(tmp, final)
-          atomic.fsync_dir(self.directory)
-          atomic.write_file_durably(final / layout.MANIFEST, sealed)  # the commit
+        files = manifest.commit(tmp, final, step, known, table, metadata, run_state_json)
         if group is not None:
           group.announce(f'{seq}/commit', 'ok')
           group.forget(str(seq - 1))  # every process has read the previous save's keys
       committed = time.perf_counter()
     except BaseException as e:
-      if group is None or group.leader:
-        if group is not None:
-          group.announce(f'{seq}/commit', f'{type(e).__name__}: {e}')
+      if group is not None and group.leader:
+        group.announce(f'{seq}/commit', f'{type(e).__name__}: {e}')
+      if group is None or group.leader or not group.shared:
         shutil.rmtree(tmp, ignore_errors=True)
       last = layout.committed_steps(self.directory) if self.directory.is_dir() else {}
       intact = f'the last committed checkpoint (step {max(last)}) is intact' if last else \
@@ -313,7 +311,7 @@ class CheckpointManager:
     return SAFETENSORS if self.options.storage == 'auto' else self.options.storage
 
   def _apply_retention(self) -> tuple[list[int], list[str]]:
-    if self._group is not None and not self._group.leader:
+    if self._group is not None and not self._group.leader and self._group.shared:
       return [], []  # process 0 deletes
     return retention.apply(self.directory, self._retention, self.options)
 
@@ -403,14 +401,3 @@ def _json_bytes(obj: Any) -> bytes:
   except (TypeError, ValueError) as e:
     raise CheckpointError('E-CKPT-011', f'run_state and metadata must be JSON: {e}',
                           'pass plain dicts, lists, strings and numbers') from e
-
-
-def _replace(tmp: Path, final: Path, sealed: bytes) -> None:
-  """Commit `tmp` as `final` where `final` is already a checkpoint, never leaving neither.
-
-  The manifest goes into `tmp` first, so `tmp` is a complete checkpoint under a temporary name
-  (debris to any reader); one exchange then swaps the two names (`atomic.publish_dir`).
-  """
-  atomic.write_file_durably(tmp / layout.MANIFEST, sealed)
-  atomic.publish_dir(tmp, final)
-  atomic.fsync_dir(final.parent)

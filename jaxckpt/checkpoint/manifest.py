@@ -43,7 +43,8 @@ def file_table(directory: Path,
   """{relative path: {size, crc32}} for every file under `directory`; makes them durable.
 
   `known` entries (a writer that checksummed and fsynced a file as it wrote it) are taken as
-  given instead of being read back.
+  given instead of being read back; those not under `directory` (another process's part, on its
+  own disk) are listed all the same.
   """
   table, known = {}, dict(known or {})
   for dirpath, dirnames, filenames in os.walk(directory):
@@ -58,6 +59,8 @@ def file_table(directory: Path,
       table[rel] = {'size': size, 'crc32': crc}
     if fsync:
       atomic.fsync_dir(Path(dirpath))
+  for rel in sorted(set(known) - set(table)):
+    table[rel] = dict(known[rel])
   return table
 
 
@@ -209,3 +212,27 @@ def audit(
   except (KeyError, TypeError, AttributeError) as e:
     problems.append(f'{layout.MANIFEST}: malformed files table ({type(e).__name__}: {e})')
   return m, problems
+
+
+def commit(tmp: Path, final: Path, step: int, known: Mapping[str, Mapping[str, Any]],
+           tensors: list[dict[str, Any]], metadata: Mapping[str, Any],
+           run_state: bytes) -> dict[str, dict[str, Any]]:
+  """Seal the written directory `tmp` (with `run_state` and a manifest covering every file) as
+  checkpoint `step` at `final`, the manifest written last; returns the manifest's file table.
+
+  Where `final` is already a checkpoint (an earlier history reached this step too) the manifest
+  goes into `tmp` first, so `tmp` is a complete checkpoint under a temporary name (debris to any
+  reader), and one exchange swaps the two names (`atomic.publish_dir`): never neither.
+  """
+  atomic.write_file_durably(tmp / layout.RUN_STATE, run_state)
+  files = file_table(tmp, known=known)
+  sealed = sealed_json(build(step, files, tensors, metadata))
+  if final.exists():
+    atomic.write_file_durably(tmp / layout.MANIFEST, sealed)
+    atomic.publish_dir(tmp, final)
+    atomic.fsync_dir(final.parent)
+  else:
+    os.rename(tmp, final)
+    atomic.fsync_dir(final.parent)
+    atomic.write_file_durably(final / layout.MANIFEST, sealed)  # the commit
+  return files

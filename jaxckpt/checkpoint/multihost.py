@@ -15,8 +15,11 @@ A save: every process writes its file in the same temporary directory (named aft
 all agree on it) and fsyncs it, posts what it wrote to the `jax.distributed` key-value store and
 waits at a barrier; process 0 then writes `manifest.json` (covering every file) and commits, and
 the others wait for its word. A process that does not arrive within the timeout is named in a
-one-line error, and nothing is committed. A restore reads, on each process, only the byte ranges
-of the shards its devices need, whatever process count and mesh wrote the checkpoint.
+one-line error, and nothing is committed. Where the directory is each host's own disk (not
+shared: `Group.open` finds out), every process then commits its own part under the same
+manifest, and the checkpoint is whole only where the parts are brought together (the remote
+tier). A restore reads, on each process, only the byte ranges of the shards its devices need,
+whatever process count and mesh wrote the checkpoint.
 """
 
 from __future__ import annotations
@@ -26,20 +29,20 @@ import functools
 import json
 import math
 import os
-import zlib
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
 
-from . import layout, statefile
+from . import atomic, layout, statefile
 from .checksum import crc32
 from .directio import pread_into
 from .errors import CheckpointError
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in the global shape
 _READERS = 4
+SHARED_PROBE = '.jaxckpt-shared'  # process 0's token: who sees it shares the directory
 
 
 def client():
@@ -49,21 +52,48 @@ def client():
 
 
 class Group:
-  """The processes of one job, as one of them sees them, saving into one checkpoint directory."""
+  """The processes of one job, as one of them sees them, saving into one checkpoint directory.
 
-  _opened: dict[str, int] = {}  # managers opened per directory by this process, in order
+  The directory is one filesystem every process sees (`shared`), or each process's own disk
+  (each host's part of a checkpoint then stays on that host: the remote tier holds it whole).
+  """
 
-  def __init__(self, directory: Path, timeout_secs: float):
+  _opened = 0  # groups opened by this process: every process opens them in the same order
+
+  def __init__(self, timeout_secs: float):
     self.index, self.count = jax.process_index(), jax.process_count()
     self.leader = self.index == 0
     self.timeout_secs = timeout_secs
+    self.shared = True
     self._client = client()
     if self._client is None:
       raise CheckpointError('E-DIST-001', f'{self.count} processes but no jax.distributed client',
                             'call jax.distributed.initialize() before opening a manager')
-    key = str(directory)
-    opened = Group._opened[key] = Group._opened.get(key, -1) + 1
-    self.prefix = f'jaxckpt/{zlib.crc32(key.encode()):08x}/{opened}'
+    self.prefix = f'jaxckpt/group/{Group._opened}'
+    Group._opened += 1
+
+  def open(self, directory: Path, tidy: Callable[[], Any] = lambda: None) -> bool:
+    """Learn whether every process sees `directory` as one filesystem (`shared`): process 0
+    leaves a token file there and each other process looks for it. `tidy()` (removing a crashed
+    writer's debris) runs where each part lives before anyone goes on: on process 0 alone when
+    the directory is shared, on every process when it is not."""
+    probe = directory / SHARED_PROBE
+    token = ''
+    if self.leader:
+      tidy()
+      token = f'{os.getpid()}-{os.urandom(8).hex()}'
+      atomic.write_file_durably(probe, token.encode())
+    token = self.sync('probe', f'opening {directory}', token)[0]
+    try:
+      sees = self.leader or probe.read_text() == token
+    except OSError:
+      sees = False
+    if not sees:
+      tidy()  # this process's own disk
+    self.shared = all(v == '1' for v in self.sync('open', f'opening {directory}', str(int(sees))))
+    if self.leader:
+      probe.unlink(missing_ok=True)
+    return self.shared
 
   def temporary_dir(self, root: Path, step: int) -> Path:
     """The name every process writes its part under: the same on all, from the step alone."""

@@ -3,11 +3,13 @@
     store       one remote location on tensorstore's kvstore drivers; conditional writes
     objects     a checkpoint's objects: upload (manifest last), find, download (CRC-checked)
     uploader    the background thread that makes each committed checkpoint durable remotely
+    parts       across processes: each uploads its own part, process 0 commits once all are up
     lease       one writer per remote prefix, through conditional writes
 """
 
 from .lease import Lease, LeaseError
+from .parts import Parts
 from .store import Store, StoreError, parse_url
 from .uploader import Uploader
 
-__all__ = ['Lease', 'LeaseError', 'Store', 'StoreError', 'Uploader', 'parse_url']
+__all__ = ['Lease', 'LeaseError', 'Parts', 'Store', 'StoreError', 'Uploader', 'parse_url']

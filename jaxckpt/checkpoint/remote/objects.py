@@ -20,7 +20,7 @@ import os
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Collection, Mapping
 
 from .. import atomic, discovery, layout, manifest
 from ..checksum import crc32, crc32_combine
@@ -77,22 +77,31 @@ def upload(store: Store,
            step_dir: Path,
            records: Mapping[str, bytes],
            *,
+           files: Callable[[list[str]], Collection[str]] | None = None,
+           commit: bool = True,
            may_commit: Callable[[], None] = lambda: None,
            part_bytes: int = PART_BYTES,
            parallel: int = PARALLEL) -> tuple[int, dict[str, Any]]:
   """Copies the committed checkpoint `step_dir` and `records` ({name: bytes}) to `store`; returns
-  (the bytes sent, its manifest). The manifest goes last, after `may_commit()` (which raises to refuse: a lost
-  lease). Every file is opened before the first byte is sent, so local retention deleting the
-  checkpoint meanwhile cannot cut an upload short."""
+  (the bytes sent, its manifest). The manifest goes last, after `may_commit()` (which raises to
+  refuse: a lost lease, a part that is not there yet). Every file is opened before the first
+  byte is sent, so local retention deleting the checkpoint meanwhile cannot cut an upload short.
+
+  Across processes each sends the `files(manifest's files)` that are its own, and only process 0
+  `commit`s: the records, `remote.json` and the manifest, once every other part is there."""
   raw, m = discovery.read_manifest_bytes(step_dir)
-  step, files = m['step'], m['files']
+  step = m['step']
+  sending = {
+      rel: m['files'][rel]
+      for rel in (list(m['files']) if files is None else files(list(m['files'])))
+  }
   prefix = step_prefix(step)
-  handles = {rel: open(layout.safe_member(step_dir, rel), 'rb') for rel in files}
+  handles = {rel: open(layout.safe_member(step_dir, rel), 'rb') for rel in sending}
   try:
     store.delete(prefix + layout.MANIFEST)  # replacing one: uncommit it first
     sent = 0
     tasks = []
-    for rel, want in files.items():
+    for rel, want in sending.items():
       for key, start, stop in part_keys(rel, want['size'], part_bytes):
         tasks.append(_put_part(store, prefix + key, handles[rel], start, stop))
         sent += stop - start
@@ -100,6 +109,8 @@ def upload(store: Store,
   finally:
     for f in handles.values():
       f.close()
+  if not commit:
+    return sent, m
   meta = {
       'format': 'jaxckpt.remote', 'part_bytes': part_bytes,
       'records': {n: {'size': len(b), 'crc32': f'{crc32(b):08x}'} for n, b in records.items()}
@@ -125,15 +136,25 @@ def _put_part(store: Store, key: str, f, start: int, stop: int):
   return task
 
 
-def committed(store: Store) -> dict[int, list[str]]:
-  """{step: its object keys} of every step prefix that holds a manifest, ascending."""
+def _by_step(store: Store) -> dict[int, list[str]]:
+  """{step: its object keys, relative to its prefix} of every step prefix, ascending."""
   by_step: dict[int, list[str]] = {}
   for key in store.list(CHECKPOINTS + '/'):
     parts = key.split('/', 2)
     step = layout.parse_step(parts[1]) if len(parts) == 3 else None
     if step is not None:
       by_step.setdefault(step, []).append(parts[2])
-  return {s: keys for s, keys in sorted(by_step.items()) if layout.MANIFEST in keys}
+  return dict(sorted(by_step.items()))
+
+
+def committed(store: Store) -> dict[int, list[str]]:
+  """{step: its object keys} of every step prefix that holds a manifest, ascending."""
+  return {s: keys for s, keys in _by_step(store).items() if layout.MANIFEST in keys}
+
+
+def uncommitted(store: Store) -> list[int]:
+  """The steps whose prefix holds objects but no manifest: uploads in progress or abandoned."""
+  return [s for s, keys in _by_step(store).items() if layout.MANIFEST not in keys]
 
 
 def inspect(
@@ -261,4 +282,7 @@ def download(
   return final, records
 
 
-__all__ = ['StoreError', 'committed', 'delete', 'download', 'inspect', 'latest_intact', 'upload']
+__all__ = [
+    'StoreError', 'committed', 'delete', 'download', 'inspect', 'latest_intact', 'uncommitted',
+    'upload'
+]

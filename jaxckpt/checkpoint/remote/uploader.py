@@ -6,6 +6,9 @@ The training loop never waits for it. When the store is down, slow or failing, u
 retried with backoff (1 s doubling to 30 s); checkpoints submitted meanwhile replace the pending
 one, so when the store is back the newest local checkpoint is the one uploaded. A lost lease
 stops all remote writes for good.
+
+Across processes (`parts`) every process runs one: each uploads its own part of each checkpoint
+and process 0 commits it once all are there (`jaxckpt.checkpoint.remote.parts`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from typing import Any, Callable, Mapping
 from ..atomic import TMP_MARK
 from ..errors import CheckpointError
 from ..policy import RetentionPolicy
-from .objects import PART_BYTES, committed, delete, inspect, step_prefix, upload
+from .objects import (PART_BYTES, committed, delete, inspect, step_prefix, uncommitted, upload)
+from .parts import OK, Parts, Superseded
 from .lease import Lease, LeaseError
 from .store import Store
 
@@ -32,7 +36,8 @@ class Uploader:
 
   `on_event(name, **fields)` hears `uploaded`, `upload_failed`, `remote_retention` and
   `lease_lost` (called on the uploader's thread). `remote_step` is the newest step known to be
-  committed remotely (`start_step` at first: what the store held when the run started).
+  committed remotely (`start_step` at first: what the store held when the run started); on a
+  process other than 0 (`parts`), the newest step whose part from this process is uploaded.
   """
 
   def __init__(self,
@@ -45,8 +50,10 @@ class Uploader:
                best_metric: str = 'heldout_loss',
                warn_every_secs: float = 60.0,
                part_bytes: int = PART_BYTES,
-               mirror: tuple[Path, str] | None = None):
+               mirror: tuple[Path, str] | None = None,
+               parts: Parts | None = None):
     self.store, self.retention, self.lease = store, retention, lease
+    self._parts = parts
     # (local directory, key prefix) kept equal after each commit: the exports.
     self._mirror, self._mirrored = mirror, {}
     self._on_event, self._best_metric = on_event, best_metric
@@ -120,6 +127,8 @@ class Uploader:
       except LeaseError as e:
         self._fail(step, e, fatal=True)
         return
+      except Superseded as e:  # a newer checkpoint is due: the next round uploads it
+        logging.info('step %d is not committed remotely (%s); a newer one is due', step, e)
       except Exception as e:  # noqa: BLE001 - a store error of any kind: retried
         self._fail(step, e)
         with self._cv:
@@ -132,16 +141,51 @@ class Uploader:
           self._busy_step = None
           self._cv.notify_all()
 
+  def _superseded(self, step: int) -> bool:
+    with self._cv:
+      return self._closed or (self._pending is not None and self._pending[0] > step)
+
+  def _may_commit(self, step: int) -> None:
+    """Before the manifest: every other process's part is there, and the lease is still ours."""
+    if self._parts is not None:
+      self._parts.wait(step, lambda: self._superseded(step), self._heard)
+    if self.lease is not None:
+      self.lease.renew()
+
+  def _heard(self, problem: str) -> None:
+    with self._cv:
+      self.error = problem
+    self._on_event('upload_failed', error=problem)
+
   def _upload(self, step: int, step_dir: Path, records: Records) -> None:
     t0 = time.monotonic()
+    parts = self._parts
+    if parts is not None and not parts.leader:
+      stopped = parts.stopped()
+      if stopped is not None:
+        raise LeaseError('E-STORE-007', f'process 0 stopped the uploads: {stopped}',
+                         'this run no longer writes to the prefix')
+      sent, _ = upload(
+          self.store, step_dir, {}, files=parts.mine, commit=False, part_bytes=self._part_bytes)
+      parts.said(step, OK)
+      self._uploaded(step, sent, time.monotonic() - t0)
+      return
     data = {n: (r() if callable(r) else r) for n, r in records.items()}
-    may_commit = self.lease.renew if self.lease is not None else (lambda: None)
-    sent, m = upload(self.store, step_dir, data, may_commit=may_commit, part_bytes=self._part_bytes)
+    sent, m = upload(
+        self.store,
+        step_dir,
+        data,
+        files=None if parts is None else parts.mine,
+        may_commit=lambda: self._may_commit(step),
+        part_bytes=self._part_bytes)
     seconds = time.monotonic() - t0
     self._metrics[step] = (m.get('metrics') or {}).get(self._best_metric)
     self._apply_retention(step)
     if self._mirror is not None:  # before `remote_step` moves: a waiter sees the exports too
       self._mirror_dir(*self._mirror)
+    self._uploaded(step, sent, seconds)
+
+  def _uploaded(self, step: int, sent: int, seconds: float) -> None:
     with self._cv:
       self.remote_step = max(step, self.remote_step or step)
       recovered, self.error = self.error is not None, None
@@ -151,6 +195,9 @@ class Uploader:
         bytes=sent,
         seconds=round(seconds, 3),
         url=self.store.join(step_prefix(step).rstrip('/')))
+    what = 'its part of step' if self._parts is not None and not self._parts.leader else 'step'
+    logging.info('uploaded %s %d to %s: %.1f MB in %.1f s', what, step, self.store.url, sent / 1e6,
+                 seconds)
     if recovered:
       logging.warning('remote store %s is back: step %d is durable there', self.store.url, step)
 
@@ -163,6 +210,7 @@ class Uploader:
           self._metrics[s] = ((m or {}).get('metrics') or {}).get(self._best_metric)
       metric = {s: v for s, v in self._metrics.items() if s in remote and v is not None}
       doomed = [s for s in self.retention.to_delete(remote, metric) if s < newest]
+      doomed += [s for s in uncommitted(self.store) if s < newest]  # parts of abandoned uploads
       for s in doomed:
         delete(self.store, s)
       if doomed:
@@ -194,6 +242,14 @@ class Uploader:
 
   def _fail(self, step: int, e: Exception, *, fatal: bool = False) -> None:
     message = e.line() if isinstance(e, CheckpointError) else f'{type(e).__name__}: {e}'
+    if self._parts is not None:
+      try:
+        if not self._parts.leader:
+          self._parts.said(step, message[:300])  # process 0 shows it in its status
+        elif fatal:
+          self._parts.stop(message[:300])  # the lease is gone: the others stop writing too
+      except Exception:  # noqa: BLE001 - the coordinator is gone: the job is ending anyway
+        pass
     with self._cv:
       self.error = message
       if fatal:
