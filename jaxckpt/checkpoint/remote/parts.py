@@ -14,9 +14,10 @@ import re
 import time
 from typing import Callable, Iterable
 
-from .. import layout, statefile
+from .. import layout
 
-_PART = re.compile(rf'^{layout.STATE_DIR}/process_(\d+){re.escape(statefile.SUFFIX)}$')
+# `statefile.file_name(k)` (statefile itself imports numpy, which `jaxckpt inspect` never needs)
+_PART = re.compile(rf'^{layout.STATE_DIR}/process_(\d+)\.safetensors$')
 OK = 'ok'
 
 
