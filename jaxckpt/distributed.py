@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 from absl import logging
 
+from jaxckpt.checkpoint.errors import CheckpointError
 from jaxckpt.errors import JaxckptError, UsageError
 from jaxckpt.runlog import RunLog
 from jaxckpt.workdir import WorkdirLock
@@ -235,6 +236,24 @@ def first_problem(name: str, problem: str | None) -> str | None:
   return next((r for r in reports if r), None)
 
 
+def together(name: str, fn: Callable[[], Any], undo: Callable[[Any], None] = lambda r: None):
+  """`fn()` on every process. An error on any one stops them all at once, instead of leaving
+  the others waiting for it: that process raises its own, the others E-DIST-009 quoting it
+  (after `undo(what fn returned)` on them)."""
+  try:
+    result, problem = fn(), None
+  except CheckpointError as e:
+    result, problem = None, e
+  other = first_problem(name, problem and problem.line())
+  if problem is not None:
+    raise problem
+  if other is not None:
+    undo(result)
+    raise UsageError('E-DIST-009', f'another process stopped: {other}',
+                     'fix what that line says, then start every process again')
+  return result
+
+
 def agree(name: str, value: str, what: str) -> None:
   """E-DIST-008 unless every process has the same `value` of `what`."""
   if _cluster.count == 1:
@@ -250,14 +269,20 @@ def agree(name: str, value: str, what: str) -> None:
 
 
 def shared_workdir(workdir: Path, *, remote: bool, config) -> bool:
-  """Whether every process sees `workdir` as one filesystem. Where it is each host's own disk,
+  """Whether every process sees `workdir` (its checkpoints) as one filesystem. Where it is each
+  host's own disk,
   each host's part of a checkpoint stays there: only with --remote (which holds them whole) and
   jaxckpt's own files (one per process) can the run go on; otherwise E-DIST-007, exit 2."""
   if _cluster.count == 1:
     return True
   from jaxckpt.checkpoint.multihost import Group  # pylint: disable=import-outside-toplevel
-  if Group(_cluster.timeout_secs).open(Path(workdir)):
-    return True
+  try:
+    if Group(_cluster.timeout_secs).open(Path(workdir) / 'checkpoints'):
+      return True
+  except CheckpointError as e:
+    if e.code != 'E-DIST-007':
+      raise
+    raise UsageError(e.code, f'--workdir={workdir}: {e.what}', e.fix) from None
   storage = config.checkpoint.get('storage', 'auto')
   if not remote or storage == 'orbax':
     why = 'storage=orbax needs one filesystem' if remote else 'there is no --remote'

@@ -34,7 +34,7 @@ from jaxckpt.checkpoint import (CheckpointError, CheckpointOptions, CommitInfo, 
 from jaxckpt import distributed
 from jaxckpt.checkpoint.remote import (Lease, LeaseError, Parts, Store, StoreError, Uploader,
                                        objects)
-from jaxckpt.errors import ConfigError, JaxckptError, UsageError
+from jaxckpt.errors import ConfigError, UsageError
 from jaxckpt.runlog import RunLog
 from jaxckpt.workdir import BANDIT, EVENTS, EXPORTS, LOSSES, SAMPLES, STATUS
 
@@ -170,16 +170,8 @@ class RemoteRun:
     """`open`, and at the end `finish`: the last commit gets `stop_grace_secs` to become durable
     after a stop signal or a failure, `FINISH_SECS` at the end of a run. Across processes every
     one opens it, and a failure on any one stops them all."""
-    try:
-      run, problem = cls.open(config, workdir, cluster), None
-    except JaxckptError as e:
-      run, problem = None, e
-    other = distributed.first_problem('remote_open', problem and problem.line())
-    if problem is not None:
-      raise problem
-    if other is not None:
-      raise UsageError('E-DIST-009', f'another process could not open --remote: {other}',
-                       'fix what that line says; every process needs the same access')
+    run = distributed.together(
+        'remote_open', lambda: cls.open(config, workdir, cluster), undo=lambda r: r and r.close())
     if run is None:
       yield None
       return

@@ -31,6 +31,7 @@ from jaxckpt import resume as resume_lib
 from jaxckpt import init_from as init_from_lib
 from jaxckpt.checkpoint import CheckpointManager, CommitInfo, signals
 from jaxckpt.config import cadence_options, checkpoint_options, validate_config
+from jaxckpt.errors import UsageError
 from jaxckpt.export import during_training
 from jaxckpt.remote_run import RemoteRun
 from jaxckpt.runlog import RunLog
@@ -123,11 +124,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       RemoteRun.opened(config, workdir, distributed.current()) as remote:  # before any compile
     ckpt_dir = checkpoints_dir(workdir)
     shared = distributed.shared_workdir(workdir, remote=remote is not None, config=config)
-    if remote is not None:  # a newer remote checkpoint (and its records) comes down
-      remote.sync_down(ckpt_dir, fetch=resume == 'latest' and (distributed.leader() or not shared))
-    distributed.first_problem('remote_synced', None)  # the others wait for process 0's download
+    if not shared and resume not in ('latest', 'none'):
+      raise UsageError(
+          'E-DIST-007', f"--resume={resume} on a workdir that is each host's own disk (each "
+          'holds only its part of a checkpoint)', 'use --resume=latest: the run resumes from '
+          'the newest checkpoint of --remote')
+    # A newer remote checkpoint (and its records) comes down; the others wait for process 0's.
+    distributed.together(
+        'remote_synced', lambda: remote and remote.sync_down(
+            ckpt_dir, fetch=resume == 'latest' and (distributed.leader() or not shared)))
     if shared or resume != 'latest':
-      resume_dir = resume_lib.find_resume_point(resume, ckpt_dir)
+      resume_dir = distributed.together('resume_point',
+                                        lambda: resume_lib.find_resume_point(resume, ckpt_dir))
     else:  # each host's own disk holds its parts alone: the remote's newest is the whole one
       resume_dir = remote.resume_point(ckpt_dir)
     distributed.agree('resume', str(resume_dir and resume_dir.name),

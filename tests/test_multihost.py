@@ -50,7 +50,7 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
   shardings = {n: NamedSharding(mesh, P(*spec)) for n, (_, _, spec) in SPECS.items()}
   storage = rest[-1] if rest and not rest[-1].isdigit() else 'auto'
   timeout = 3.0 if cmd == 'stall' else 120.0
-  directory = directory.format(k=process)  # 'host{k}': each process its own disk
+  directory = directory.format(k=process, pair=process // 2)  # 'host{k}': each its own disk
   mgr = CheckpointManager(directory,
                           CheckpointOptions(storage=storage, barrier_timeout_secs=timeout))
   if cmd in ('save', 'stall'):
@@ -162,6 +162,13 @@ def test_on_each_host_own_disk_each_commits_its_part_under_the_whole_manifest(
   # Brought together (what a download from the remote tier does), the parts are the state.
   (hosts[0] / files[1]).write_bytes((hosts[1] / files[1]).read_bytes())
   assert_same_bytes(read_host_arrays(hosts[0]), expected())
+
+
+def test_a_directory_shared_by_some_processes_and_not_others_is_refused(tmp_path, compile_cache):
+  results = run(f'{tmp_path}/host{{pair}}', compile_cache, 'save', 3, '1')  # 0 and 1 share
+  for k, (code, out) in enumerate(results):
+    assert code != 0 and 'E-DIST-007' in out and '[[0, 1], [0, 1], [2]]' in out, (k, out[-2000:])
+  assert not list(tmp_path.rglob('step_*'))
 
 
 def test_a_process_that_never_arrives_is_named_and_nothing_is_committed(tmp_path, compile_cache):

@@ -73,26 +73,33 @@ class Group:
     Group._opened += 1
 
   def open(self, directory: Path, tidy: Callable[[], Any] = lambda: None) -> bool:
-    """Learn whether every process sees `directory` as one filesystem (`shared`): process 0
-    leaves a token file there and each other process looks for it. `tidy()` (removing a crashed
-    writer's debris) runs where each part lives before anyone goes on: on process 0 alone when
-    the directory is shared, on every process when it is not."""
-    probe = directory / SHARED_PROBE
+    """Learn whether every process sees `directory` as one filesystem (`shared`) or each its own
+    disk: each process leaves a token file there and says whose it sees. `tidy()` (removing a
+    crashed writer's debris) runs where each part lives before anyone writes: on process 0 alone
+    when the directory is shared, on every process when it is not. Processes that share it in
+    groups (several per host, one disk per host) are refused: E-DIST-007."""
+    what = f'opening {directory}'
+    directory.mkdir(parents=True, exist_ok=True)
     token = ''
     if self.leader:
       tidy()
       token = f'{os.getpid()}-{os.urandom(8).hex()}'
-      atomic.write_file_durably(probe, token.encode())
-    token = self.sync('probe', f'opening {directory}', token)[0]
-    try:
-      sees = self.leader or probe.read_text() == token
-    except OSError:
-      sees = False
-    if not sees:
+    token = self.sync('probe', what, token)[0]
+    mine = directory / f'{SHARED_PROBE}-{self.index}'
+    atomic.write_file_durably(mine, token.encode())
+    self.sync('probed', what)
+    names = set(os.listdir(directory))  # listing first: a network filesystem looks again
+    seen = [k for k in range(self.count) if _holds(directory, f'{SHARED_PROBE}-{k}', names, token)]
+    views = [json.loads(v) for v in self.sync('seen', what, json.dumps(seen))]
+    mine.unlink(missing_ok=True)
+    self.shared = all(len(v) == self.count for v in views)
+    if not self.shared and any(v != [k] for k, v in enumerate(views)):
+      raise CheckpointError(
+          'E-DIST-007', f'{directory} is shared by some of the {self.count} processes and not by '
+          f'others (each sees the files of: {views})', 'use a filesystem every process mounts, '
+          'or one process per host, each with its own disk')
+    if not self.shared and not self.leader:
       tidy()  # this process's own disk
-    self.shared = all(v == '1' for v in self.sync('open', f'opening {directory}', str(int(sees))))
-    if self.leader:
-      probe.unlink(missing_ok=True)
     return self.shared
 
   def temporary_dir(self, root: Path, step: int) -> Path:
@@ -145,6 +152,13 @@ class Group:
 # ------------------------------------------------------------------------------- ownership
 def _box(index, shape) -> Box:
   return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+
+
+def _holds(directory: Path, name: str, names: set[str], token: str) -> bool:
+  try:
+    return name in names and (directory / name).read_text() == token
+  except OSError:
+    return False
 
 
 def tensor_name(array: str, box: Box, shape) -> str:

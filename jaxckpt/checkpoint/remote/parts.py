@@ -63,28 +63,41 @@ class Parts:
       return None
     return found[0][1] if found else None
 
+  def started(self, step: int) -> None:
+    """A process other than 0 begins its part of `step` (and will never send an older one)."""
+    self._client.key_value_set(f'{self._prefix}/busy/{self.index}', str(step), allow_overwrite=True)
+
   def wait(self,
            step: int,
-           give_up: Callable[[], bool],
+           closing: Callable[[], bool],
+           newer: Callable[[], bool],
            on_problem: Callable[[str], None] = lambda line: None,
            every: float = 0.2) -> None:
     """Process 0: returns once every other process said its part of `step` is there. Raises
-    `Superseded` as soon as `give_up()`; `on_problem(line)` hears each new failure one reports."""
+    `Superseded` when `closing()`, or when `newer()` (a newer checkpoint is due) and a process
+    that has not sent its part has moved on to a newer step: it never will. `on_problem(line)`
+    hears each new failure one reports."""
     heard: set[tuple[int, str]] = set()
     while True:
       words = self._words(step)
-      if all(words.get(k) == OK for k in range(1, self.count)):
-        self.forget(step)
+      missing = [k for k in range(1, self.count) if words.get(k) != OK]
+      if not missing:
         return
       for k, word in sorted(words.items()):
         if word != OK and (k, word) not in heard:
           heard.add((k, word))
           on_problem(f'process {k}: {word}')
-      if give_up():
+      if closing() or (newer() and self._moved_on(step, missing)):
         self.forget(step)
-        raise Superseded(f'step {step}: no word yet from process(es) '
-                         f'{[k for k in range(1, self.count) if words.get(k) != OK]}')
+        raise Superseded(f'step {step}: no word from process(es) {missing}')
       time.sleep(every)
+
+  def _moved_on(self, step: int, missing: list[int]) -> bool:
+    try:
+      busy = dict(self._client.key_value_dir_get(f'{self._prefix}/busy/'))
+    except Exception:  # pylint: disable=broad-except  # the runtime's own error types
+      return False
+    return any(int(busy.get(f'{self._prefix}/busy/{k}', -1)) > step for k in missing)
 
   def _words(self, step: int) -> dict[int, str]:
     try:

@@ -141,14 +141,14 @@ class Uploader:
           self._busy_step = None
           self._cv.notify_all()
 
-  def _superseded(self, step: int) -> bool:
+  def _newer(self, step: int) -> bool:
     with self._cv:
-      return self._closed or (self._pending is not None and self._pending[0] > step)
+      return self._pending is not None and self._pending[0] > step
 
   def _may_commit(self, step: int) -> None:
     """Before the manifest: every other process's part is there, and the lease is still ours."""
     if self._parts is not None:
-      self._parts.wait(step, lambda: self._superseded(step), self._heard)
+      self._parts.wait(step, lambda: self._closed, lambda: self._newer(step), self._heard)
     if self.lease is not None:
       self.lease.renew()
 
@@ -165,6 +165,7 @@ class Uploader:
       if stopped is not None:
         raise LeaseError('E-STORE-007', f'process 0 stopped the uploads: {stopped}',
                          'this run no longer writes to the prefix')
+      parts.started(step)
       sent, _ = upload(
           self.store, step_dir, {}, files=parts.mine, commit=False, part_bytes=self._part_bytes)
       parts.said(step, OK)
@@ -178,6 +179,8 @@ class Uploader:
         files=None if parts is None else parts.mine,
         may_commit=lambda: self._may_commit(step),
         part_bytes=self._part_bytes)
+    if parts is not None:
+      parts.forget(step)  # committed: the words are not needed again (a retry needs them)
     seconds = time.monotonic() - t0
     self._metrics[step] = (m.get('metrics') or {}).get(self._best_metric)
     self._apply_retention(step)
