@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import (TINY, assert_same_bytes, events_of, finish_processes, losses, start_processes,
-                      wait_for)
+from conftest import (TINY, assert_same_bytes, committed_steps, events_of, finish_processes, losses,
+                      start_processes, wait_for)
 from jaxckpt.checkpoint.formats import read_host_arrays
 from jaxckpt.checkpoint.remote import Store, StoreError, objects
 
@@ -151,8 +151,7 @@ def _lease_lost(workdir) -> bool:
 
 
 def _committed_locally(workdir) -> int:
-  steps = [int(p.parent.name[5:]) for p in (workdir / 'checkpoints').glob('step_*/manifest.json')]
-  return max(steps, default=0)
+  return max(committed_steps(workdir), default=0)
 
 
 def _step_of(key: str) -> int:
