@@ -32,7 +32,7 @@ from absl import logging
 from jaxckpt.checkpoint.errors import CheckpointError
 from jaxckpt.errors import JaxckptError, UsageError
 from jaxckpt.runlog import RunLog
-from jaxckpt.workdir import WorkdirLock
+from jaxckpt.workdir import WorkdirLock, checkpoints_dir
 
 _PREFIX = 'jaxckpt/run'
 
@@ -230,10 +230,13 @@ def first_problem(name: str, problem: str | None) -> str | None:
   reports under `name`: the same answer on every process."""
   if _cluster.count == 1:
     return problem
-  _cluster.client().key_value_set(
-      f'{_PREFIX}/{name}/{_cluster.index}', problem or '', allow_overwrite=True)
-  reports = [_wait(_cluster, f'{_PREFIX}/{name}/{k}', name) for k in range(_cluster.count)]
-  return next((r for r in reports if r), None)
+  return next((r for r in _exchange(name, problem or '') if r), None)
+
+
+def _exchange(name: str, value: str) -> list[str]:
+  """Post this process's `value` under `name`; every process's, in process order."""
+  _cluster.client().key_value_set(f'{_PREFIX}/{name}/{_cluster.index}', value, allow_overwrite=True)
+  return [_wait(_cluster, f'{_PREFIX}/{name}/{k}', name) for k in range(_cluster.count)]
 
 
 def together(name: str, fn: Callable[[], Any], undo: Callable[[Any], None] = lambda r: None):
@@ -258,8 +261,7 @@ def agree(name: str, value: str, what: str) -> None:
   """E-DIST-008 unless every process has the same `value` of `what`."""
   if _cluster.count == 1:
     return
-  _cluster.client().key_value_set(f'{_PREFIX}/{name}/{_cluster.index}', value, allow_overwrite=True)
-  values = [_wait(_cluster, f'{_PREFIX}/{name}/{k}', name) for k in range(_cluster.count)]
+  values = _exchange(name, value)
   if len(set(values)) > 1:
     raise JaxckptError(
         'E-DIST-008', f'the processes disagree on {what}: ' +
@@ -270,14 +272,14 @@ def agree(name: str, value: str, what: str) -> None:
 
 def shared_workdir(workdir: Path, *, remote: bool, config) -> bool:
   """Whether every process sees `workdir` (its checkpoints) as one filesystem. Where it is each
-  host's own disk,
-  each host's part of a checkpoint stays there: only with --remote (which holds them whole) and
-  jaxckpt's own files (one per process) can the run go on; otherwise E-DIST-007, exit 2."""
+  host's own disk, each host's part of a checkpoint stays there: only with --remote (which holds
+  them whole) and jaxckpt's own files (one per process) can the run go on; otherwise E-DIST-007,
+  exit 2."""
   if _cluster.count == 1:
     return True
   from jaxckpt.checkpoint.multihost import Group  # pylint: disable=import-outside-toplevel
   try:
-    if Group(_cluster.timeout_secs).open(Path(workdir) / 'checkpoints'):
+    if Group(_cluster.timeout_secs).open(checkpoints_dir(workdir)):
       return True
   except CheckpointError as e:
     if e.code != 'E-DIST-007':

@@ -344,13 +344,13 @@ class RemoteRun:
       logging.info('waiting up to %.0f s for step %d to reach %s', grace, step, self.store.url)
     done = self.uploader.wait(step, timeout=grace)
     local = self.workdir / 'checkpoints' / layout.step_dirname(step)
+    where = self.store.join(objects.step_prefix(step))
     if not self.leader:  # its part; process 0 says where the whole checkpoint is
-      where = self.store.join(objects.step_prefix(step))
       line = (f'process {self.parts.index}: its part of step {step} is ' +
               (f'uploaded to {where}' if done else
                f'not uploaded ({self.uploader.error or f"not done within {grace:g} s"})'))
     elif done:
-      line = f'step {step} is durable in {self.store.join(objects.step_prefix(step))}'
+      line = f'step {step} is durable in {where}'
     else:
       line = (f'step {step} is committed locally only ({local}); {self.store.url} holds step '
               f'{self.uploader.remote_step}' +

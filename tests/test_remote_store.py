@@ -110,7 +110,7 @@ def test_remote_retention_deletes_only_after_a_newer_commit(s3_server, local_che
   store = Store(s3_server.bucket())
   # The parts of an upload abandoned before its commit: debris once a newer step commits.
   objects.upload(store, local_checkpoint / layout.step_dirname(1), {}, commit=False)
-  assert objects.uncommitted(store) == [1] and not objects.committed(store)
+  assert objects.steps(store) == ({}, [1])  # no step committed; step 1's parts there
   uploader = Uploader(store, retention=RetentionPolicy(keep=1))
   try:
     uploader.submit(1, local_checkpoint / layout.step_dirname(1))

@@ -42,7 +42,7 @@ from .errors import CheckpointError
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in the global shape
 _READERS = 4
-SHARED_PROBE = '.jaxckpt-shared'  # process 0's token: who sees it shares the directory
+SHARED_PROBE = '.jaxckpt-shared'  # + '-<k>': process k's token; who sees it shares the directory
 
 
 def client():

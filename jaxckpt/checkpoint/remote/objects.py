@@ -136,25 +136,23 @@ def _put_part(store: Store, key: str, f, start: int, stop: int):
   return task
 
 
-def _by_step(store: Store) -> dict[int, list[str]]:
-  """{step: its object keys, relative to its prefix} of every step prefix, ascending."""
+def steps(store: Store) -> tuple[dict[int, list[str]], list[int]]:
+  """From one listing: ({step: its object keys, relative to its prefix} of every step prefix
+  that holds a manifest, ascending; the steps whose prefix holds objects but no manifest, which
+  are uploads in progress or abandoned)."""
   by_step: dict[int, list[str]] = {}
   for key in store.list(CHECKPOINTS + '/'):
     parts = key.split('/', 2)
     step = layout.parse_step(parts[1]) if len(parts) == 3 else None
     if step is not None:
       by_step.setdefault(step, []).append(parts[2])
-  return dict(sorted(by_step.items()))
+  done = {s: keys for s, keys in sorted(by_step.items()) if layout.MANIFEST in keys}
+  return done, sorted(set(by_step) - set(done))
 
 
 def committed(store: Store) -> dict[int, list[str]]:
   """{step: its object keys} of every step prefix that holds a manifest, ascending."""
-  return {s: keys for s, keys in _by_step(store).items() if layout.MANIFEST in keys}
-
-
-def uncommitted(store: Store) -> list[int]:
-  """The steps whose prefix holds objects but no manifest: uploads in progress or abandoned."""
-  return [s for s, keys in _by_step(store).items() if layout.MANIFEST not in keys]
+  return steps(store)[0]
 
 
 def inspect(
@@ -283,6 +281,5 @@ def download(
 
 
 __all__ = [
-    'StoreError', 'committed', 'delete', 'download', 'inspect', 'latest_intact', 'uncommitted',
-    'upload'
+    'StoreError', 'committed', 'delete', 'download', 'inspect', 'latest_intact', 'steps', 'upload'
 ]

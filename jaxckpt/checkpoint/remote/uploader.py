@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping
 from ..atomic import TMP_MARK
 from ..errors import CheckpointError
 from ..policy import RetentionPolicy
-from .objects import (PART_BYTES, committed, delete, inspect, step_prefix, uncommitted, upload)
+from .objects import PART_BYTES, delete, inspect, step_prefix, steps, upload
 from .parts import OK, Parts, Superseded
 from .lease import Lease, LeaseError
 from .store import Store
@@ -206,14 +206,14 @@ class Uploader:
 
   def _apply_retention(self, newest: int) -> None:
     try:
-      remote = committed(self.store)
+      remote, abandoned = steps(self.store)  # one listing for both
       for s in remote:
         if s not in self._metrics:
           _, m, _, _ = inspect(self.store, s, remote[s])
           self._metrics[s] = ((m or {}).get('metrics') or {}).get(self._best_metric)
       metric = {s: v for s, v in self._metrics.items() if s in remote and v is not None}
       doomed = [s for s in self.retention.to_delete(remote, metric) if s < newest]
-      doomed += [s for s in uncommitted(self.store) if s < newest]  # parts of abandoned uploads
+      doomed += [s for s in abandoned if s < newest]  # the parts of abandoned uploads
       for s in doomed:
         delete(self.store, s)
       if doomed:
