@@ -106,9 +106,28 @@ def start(session: Session, resume: str, resume_dir: Path | None) -> tuple[Train
     problem = distributed.first_problem(f'resume/{len(known_bad)}', problem)
     if problem is None:
       return started
-    logging.warning('passing over %s: %s', resume_dir, problem)
+    replaced = None if resume_dir in known_bad else _from_remote(session, resume_dir)
     known_bad[resume_dir] = problem
-    resume_dir = find_resume_point(resume, session.mgr.directory, known_bad)
+    if replaced is None:
+      logging.warning('passing over %s: %s', resume_dir, problem)
+    resume_dir = replaced or find_resume_point(resume, session.mgr.directory, known_bad)
+
+
+def _from_remote(session: Session, path: Path) -> Path | None:
+  """The remote's intact copy of the damaged local checkpoint `path`, downloaded over it, or
+  None (no --remote, or none there). One process only: across processes each holds its own
+  shards, and a damaged one falls back to an older checkpoint, as without --remote."""
+  if session.remote is None or distributed.current().count > 1:
+    return None
+  return session.remote.replace_damaged(path, session.mgr.directory)
+
+
+_RETENTION_KNOBS = ('checkpoint.keep', 'checkpoint.keep_every', 'checkpoint.keep_best')
+
+
+def _is_retention(change: str) -> bool:
+  """Whether a line of `identity.compare` is a changed --keep, --keep_every or --keep_best."""
+  return change.startswith('knob ') and change.split(' ')[1] in _RETENTION_KNOBS
 
 
 def _start_from(session: Session, resume_dir: Path | None) -> tuple[TrainState, int]:
@@ -139,8 +158,16 @@ def _start_from(session: Session, resume_dir: Path | None) -> tuple[TrainState, 
   if resume_dir is not None:
     runlog.event('resumed', step=step, path=str(resume_dir), changes=changes)
     logging.info('resumed from %s (step %d)', resume_dir, step)
+    retention = [line for line in changes if _is_retention(line)]
     for line in changes:
-      logging.info('changed since the checkpoint: %s', line)
+      if line not in retention:
+        logging.info('changed since the checkpoint: %s', line)
+    if retention:  # one line and one event; what is kept already stays kept (`checkpoint.policy`)
+      retention = [line[len('knob checkpoint.'):] for line in retention]  # 'keep_every 10 -> 0'
+      runlog.event('retention_changed', step=step, changes=retention)
+      logging.info(
+          'retention changed since the checkpoint: %s; checkpoints whose manifests say they '
+          'are kept stay kept (`jaxckpt delete CKPT --kept` deletes one)', '; '.join(retention))
   if loaded is not None:
     _report_init_from(runlog, step, loaded)
   if mgr.removed_debris:

@@ -5,6 +5,7 @@
     jaxckpt export   CKPT|URL|FILE.bin --format=safetensors|hf|bin --out=PATH
     jaxckpt evaluate --workdir=DIR|URL [--follow]
     jaxckpt pivot    --workdir=DIR          archive the phase's satellites; the next start is a new phase
+    jaxckpt delete   CKPT [--kept]          delete one checkpoint (--kept: one its manifest keeps)
     jaxckpt plot     --workdir=DIR [--out=loss.png]
 
 Each subcommand lives in its own module (`jaxckpt/cli/<name>_command.py`, a `main(argv)`), and is
@@ -20,7 +21,7 @@ import sys
 
 from jaxckpt.cli import parser
 
-COMMANDS = ('inspect', 'verify', 'export', 'evaluate', 'pivot', 'plot')
+COMMANDS = ('inspect', 'verify', 'export', 'evaluate', 'pivot', 'plot', 'delete')
 
 
 def main(argv: list[str] | None = None) -> int:
