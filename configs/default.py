@@ -36,6 +36,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.b2 = 0.999  # adam beta2
   config.train.grad_clip = 1.0  # global-norm clipping
   config.train.log_every = 50  # steps between progress lines
+  # Steps dispatched to the devices and not yet done, at most (0: no bound). 2 keeps the devices
+  # busy and a stop signal honoured within two step times (README: Preemption and signals).
+  config.train.max_steps_in_flight = 2
   config.train.eval_every = 0  # steps between held-out evaluations (0: off)
   config.train.eval_batches = 4  # held-out batches per evaluation
   config.train.guard_finite = False  # refuse to commit a checkpoint holding NaN/inf
@@ -86,6 +89,7 @@ def get_config() -> ml_collections.ConfigDict:
   # fresh machine with an empty workdir resumes from there ('': off).
   config.checkpoint.remote = ''
   config.checkpoint.remote_lease_secs = 60.0  # a writer's lease not renewed this long is taken over
+  config.checkpoint.remote_lease = 'on'  # on | off: one writer per prefix (off: not enforced)
   config.checkpoint.stop_grace_secs = 25.0  # after a stop signal: time to make the last one durable
 
   # Exports under <workdir>/exports/, written from a checkpoint's host copy after it commits.
