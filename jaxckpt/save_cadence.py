@@ -11,12 +11,17 @@ measures what they need in the training loop.
   The first save of each start is not measured: it pays one-time costs (compilations, the first
   touch of the staging buffer) that later saves do not.
 - M, learned from `events.jsonl` (`read_history`): each earlier start of the run that ended
-  with no end record (SIGKILL, a lost VM, OOM) or `interrupted` by SIGTERM or SIGHUP counts as an
-  interruption, over the running time of all starts; `cadence.blend_mtbi` mixes in the prior.
+  with no end record (SIGKILL, a lost VM, OOM), `interrupted` by SIGTERM or SIGHUP, or `failed`
+  because a process of the job was lost (E-DIST-006, `lost_process`) counts as an interruption,
+  over the running time of all starts; `cadence.blend_mtbi` mixes in the prior.
 - The interval: `cadence.plan`, in steps from the step time measured on this start, re-planned
   at each commit; each plan is a `cadence` event, `status.json`'s `cadence` and the progress line.
   A checkpoint is never started before `durable()` says the previous one is (by default: it has
-  committed; a remote tier can pass "and uploaded").
+  committed; a remote tier passes "and uploaded"). Then δ's window, `durable_s` and the clean
+  windows that time the steps all run to durability: an upload in flight is the save's cost.
+- A failed save (`poll`, at every step boundary): logged and recorded (`save_failed`) at once,
+  counted as ended (durable again), so the next cadence point, whatever the cadence, retries it;
+  a failed retry stops the run (E-CKPT-001, naming the last good checkpoint).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from absl import flags, logging
 
-from jaxckpt.checkpoint import ArgumentError, CommitInfo, cadence
+from jaxckpt.checkpoint import ArgumentError, CheckpointError, CommitInfo, cadence
 from jaxckpt.runlog import RunLog, read_jsonl
 from jaxckpt.workdir import EVENTS
 
@@ -68,7 +73,8 @@ def read_history(events: Iterable[Mapping[str, Any]]) -> History:
   """Interruptions, running time and the last measured δ of the starts recorded in `events`.
 
   A start that ended `finished` or `failed` (an error to fix, not a preemption), or that was
-  stopped by SIGINT or before a `pivot`, was not interrupted. A SIGKILLed start's running time
+  stopped by SIGINT or before a `pivot`, was not interrupted; one that `failed` because a process
+  of the job was lost (`lost_process`: a host gone silent) was. A SIGKILLed start's running time
   ends at its last record (with auto, a `cadence` event at every commit).
   """
   segments: list[list[Mapping[str, Any]]] = []
@@ -82,8 +88,9 @@ def read_history(events: Iterable[Mapping[str, Any]]) -> History:
     end = next((e for e in segment if e.get('event') in ENDS), None)
     last = end or [e for e in segment if e.get('event') not in BETWEEN][-1]
     exposure += max(0.0, float(last.get('time', 0.0)) - float(segment[0].get('time', 0.0)))
-    if end is None or (end['event'] == 'interrupted' and end.get('signal') not in DELIBERATE
-                       and not any(e.get('event') == 'pivot' for e in segment)):
+    lost = end is not None and end['event'] == 'failed' and bool(end.get('lost_process'))
+    if end is None or lost or (end['event'] == 'interrupted' and end.get('signal') not in DELIBERATE
+                               and not any(e.get('event') == 'pivot' for e in segment)):
       interruptions += 1
     delta = next((e['delta_s']
                   for e in reversed(segment)
@@ -104,14 +111,15 @@ class _Write:
   blocked_s: float
   saves: int  # the save count it completes
   measured: bool = True  # False for the first save of a start: it pays one-time costs
+  started: float = 0.0  # the step boundary where the save started
 
 
 class SaveCadence:
   """When the loop saves beyond `CheckpointManager.should_save`: auto and per-epoch.
 
-  The loop calls `start` once, `after_step` after each step, `due` to decide, `saving`/`saved`
-  around each save (whatever asked for it: every save restarts the interval), and `committed`
-  from the manager's `on_commit`.
+  The loop calls `start` once, `poll` and `after_step` after each step, `due` to decide,
+  `saving`/`saved` around each save (whatever asked for it: every save restarts the interval),
+  and `committed` from the manager's `on_commit`.
   """
 
   def __init__(self,
@@ -127,15 +135,19 @@ class SaveCadence:
     self.every_epochs = int(config.checkpoint.get('epochs', 0))
     self.options, self.runlog, self.clock = options, runlog, clock
     self.epoch, self._state = epoch, state
-    self.durable = durable or (lambda: self.commits >= self.saves)
+    self._durable = durable or self._ended
+    self.beyond_commit = durable is not None  # durable means more than committed (uploaded)
     self.history = History(0, 0.0)
     if self.auto:
       self.history = read_history(read_jsonl(runlog.workdir / EVENTS))
     self.delta_s, self.delta_measured = self.history.delta_s, self.history.delta_s is not None
     self.step_s: float | None = None
     self.plan: cadence.Plan | None = None
-    self.saves = self.commits = 0
-    self.durable_s = 0.0  # how long the last save took to commit
+    self.saves = self.commits = self.failed = 0  # a save ends committed or failed
+    self._in_a_row = 0  # failed saves since the last commit
+    self._inline: BaseException | None = None  # a save written inline (sync) that failed
+    self._last_saved: int | None = None  # the step of the save in flight, or of the last one
+    self.durable_s = 0.0  # how long the last save took to be durable
     self._started_at = clock()
     self._last_save_step = 0
     self._metrics = None
@@ -143,6 +155,17 @@ class SaveCadence:
     self._write: _Write | None = None
     self._saving_at = 0.0
     self._aside_s = 0.0  # time inside this save that is not its cost
+
+  @property
+  def durable(self) -> Callable[[], bool]:
+    return self._durable
+
+  @durable.setter
+  def durable(self, test: Callable[[], bool]) -> None:  # e.g. "and uploaded" (`RemoteRun.chain`)
+    self._durable, self.beyond_commit = test, True
+
+  def _ended(self) -> bool:
+    return self.commits + self.failed >= self.saves
 
   # ------------------------------------------------------------------------------ the loop
   def start(self, step: int) -> None:
@@ -152,9 +175,10 @@ class SaveCadence:
     self._metrics = metrics
     if not self.auto:
       return
-    if self._clean is None and self._write is None:  # the first step of this start: compiled
-      self._clean = (self._sync(), step)
-    elif self._write is not None and self.commits >= self._write.saves:
+    if self._clean is None and self._write is None:
+      if self.durable():  # compiled, and no upload in flight (one from the start, a failed save)
+        self._clean = (self._sync(), step)
+    elif self._write is not None and self.commits >= self._write.saves and self.durable():
       self._measure_write(step)
     elif self.step_s is None and self._clean is not None:  # calibrating the step time
       t, (t0, s0) = self._sync(), self._clean
@@ -185,10 +209,12 @@ class SaveCadence:
   def saved(self, step: int) -> None:
     """`save()` returned: the write is in flight (or, in sync mode, done)."""
     self.saves += 1
+    self._last_saved = step
     if self.auto:
       t = self.clock()
       blocked = t - self._saving_at - self._aside_s
-      self._write = _Write(t, step, blocked, self.saves, measured=self.saves > 1)
+      self._write = _Write(
+          t, step, blocked, self.saves, measured=self.saves > 1, started=self._saving_at)
 
   @contextlib.contextmanager
   def aside(self):
@@ -202,7 +228,59 @@ class SaveCadence:
   def committed(self, info: CommitInfo) -> None:
     """From `on_commit`, on the manager's thread."""
     self.durable_s = info.seconds_to_commit
+    self._in_a_row = 0
     self.commits += 1
+
+  def failed_inline(self, error: BaseException) -> None:
+    """A save written inline (sync mode, or auto short of memory) failed in `save()`: heard by
+    the next `poll`, as a background one is."""
+    self._inline = error
+
+  def poll(self, mgr, step: int, *, wait: bool = False) -> bool:
+    """At the step boundary `step`: hears of a background save that failed, at once (`wait`:
+    after waiting for the save in flight, before a save or at the end). It is logged, recorded
+    (`save_failed`) and counted as ended, so `durable()` holds again and the next cadence point
+    retries it; the retry failing too stops the run (E-CKPT-001, naming the last good
+    checkpoint). False when a failure was counted."""
+    if self._inline is not None:
+      error, self._inline = self._inline, None
+    elif not wait:
+      error = mgr.take_error()
+    else:
+      try:
+        mgr.wait_until_finished()
+        error = None
+      except Exception as e:  # noqa: BLE001 - the manager's CheckpointError: counted below
+        error = e
+    if error is None:
+      return True
+    self.failed += 1
+    self._in_a_row += 1
+    self._write = self._clean = None  # neither measured: the write never became durable
+    line = error.line() if isinstance(error,
+                                      CheckpointError) else f'{type(error).__name__}: {error}'
+    latest = mgr.latest_step()
+    good = 'no checkpoint of this run is committed' if latest is None else \
+        f'the last good checkpoint is step {latest} ({mgr.step_dir(latest)})'
+    self.runlog.event(
+        'save_failed',
+        step=self._last_saved,
+        heard_at=step,
+        error=line,
+        last_good=latest,
+        retry=self._in_a_row > 1)
+    if self._in_a_row > 1:
+      what, fix = line, 'fix the cause and run the same command to continue from it'
+      if isinstance(error, CheckpointError):  # its own code unless it is this one, and its fix
+        what = error.what if error.code == 'E-CKPT-001' else f'{error.code}: {error.what}'
+        fix = fix if error.code == 'E-CKPT-001' or not error.fix else error.fix
+      raise CheckpointError(
+          'E-CKPT-001', f'checkpoint step {self._last_saved} failed, the retry of a failed one: '
+          f'{what}', f'{good}; {fix}') from error
+    logging.error(
+        'checkpoint step %s failed: %s; the next checkpoint retries it, and the run '
+        'stops if that fails too (%s)', self._last_saved, line, good)
+    return False
 
   def note(self) -> str:
     """For the progress line."""
@@ -218,6 +296,8 @@ class SaveCadence:
   def _measure_write(self, step: int) -> None:
     t, write = self._sync(), self._write
     self._write, self._clean = None, (t, step)
+    if self.beyond_commit:  # durable once uploaded too: seen at this step boundary
+      self.durable_s = max(self.durable_s, t - write.started)
     if not write.measured:
       if self.plan is None:  # it came before the step time was measured (SIGUSR1, an epoch)
         self._replan(step)

@@ -1,7 +1,9 @@
 """The automatic cadence (--checkpoint_every=auto) and per-epoch saves: the library's pure
 functions, the trainer's bookkeeping with a fake clock, and the real trainer end to end."""
 
+import json
 import math
+import signal
 
 import pytest
 
@@ -10,7 +12,7 @@ from jaxckpt.checkpoint import ArgumentError, cadence
 from jaxckpt.checkpoint.options import CommitInfo
 from jaxckpt.errors import ConfigError
 from jaxckpt.runlog import RunLog, read_status
-from jaxckpt.save_cadence import EveryFlagParser, SaveCadence, read_history
+from jaxckpt.save_cadence import ENDS, EveryFlagParser, SaveCadence, read_history
 
 MIN, HOUR, DAY = 60.0, 3600.0, 86400.0
 
@@ -47,20 +49,24 @@ def test_plan_turns_seconds_into_steps_within_the_bounds_and_the_floor():
   assert cadence.plan(0.0, HOUR, 0.5).interval_steps == 1  # at least one step
 
 
-def test_mtbi_blends_the_prior_with_the_runs_history():
+def test_mtbi_weighs_the_prior_as_exposure_against_the_runs_own():
   prior = 6 * HOUR
   assert cadence.PRIOR_WEIGHT == 2
   assert cadence.blend_mtbi(prior, 0, 0.0) == prior
   assert cadence.blend_mtbi(prior, 0, 2 * prior) == 2 * prior  # surviving raises M
-  assert cadence.blend_mtbi(prior, 2, 60.0) < prior / 20  # two kills in a minute: far shorter
-  # A geometric blend: history outweighs the prior (weight 2) from the third interruption on.
+  assert cadence.blend_mtbi(prior, 2, 60.0) < prior / 1.9  # two kills in a minute: shorter
+  # The prior is 2 interruptions in 12 h, pooled with the run's own (Gamma-Poisson): one
+  # interruption in 1000 h is M = 337 h (a geometric blend said 33 h, a mean of the two rates).
+  assert cadence.blend_mtbi(prior, 1, 1000 * HOUR) == pytest.approx(1012 / 3 * HOUR)
   for history in (10 * MIN, 7 * DAY):
-    assert cadence.blend_mtbi(prior, 2, 2 * history) == pytest.approx(math.sqrt(prior * history))
     for n in (1, 3, 10, 100):
       m = cadence.blend_mtbi(prior, n, n * history)
-      closer = abs(math.log(m / history)) < abs(math.log(m / prior))
-      assert closer == (n > cadence.PRIOR_WEIGHT)
-    assert cadence.blend_mtbi(prior, 400, 400 * history) == pytest.approx(history, rel=0.02)
+      assert m == pytest.approx((2 * prior + n * history) / (2 + n))
+    # As evidence grows, M tends to the run's own rate, however far off the prior was.
+    assert cadence.blend_mtbi(prior, 10_000, 10_000 * history) == pytest.approx(history, rel=0.01)
+  # Evidence is exposure, not a count: three interruptions in 3 min and in 3000 h differ.
+  assert cadence.blend_mtbi(prior, 3, 3 * MIN) < prior / 2 < 100 * HOUR < cadence.blend_mtbi(
+      prior, 3, 3000 * HOUR)
 
 
 def test_delta_is_smoothed_and_slowdowns_are_never_gains():
@@ -148,6 +154,20 @@ def test_history_counts_starts_that_did_not_end_cleanly():
   assert read_history([]).interruptions == 0 and read_history([]).delta_s is None
 
 
+def test_history_counts_a_lost_process_as_an_interruption():
+  lost = 'E-DIST-006: process(es) [1] of 2 lost'
+  events = [
+      ev('started', 0),
+      ev('failed', 50, error=f'{lost} (no sign of life for 60 s); ...', lost_process=True),
+      ev('started', 100),  # a process that failed with an error of its own: not counted
+      ev('failed', 110, error=f'{lost} (it failed); ...', lost_process=False),
+      ev('started', 200),
+      ev('failed', 201, error='E-CKPT-001: ...'),
+  ]
+  h = read_history(events)
+  assert h.interruptions == 1 and h.exposure_s == pytest.approx(50 + 10 + 1)
+
+
 # ------------------------------------------------------- the trainer's side, fake clock
 class Clock:
 
@@ -228,6 +248,34 @@ def test_delta_is_blocked_time_plus_the_slowdown_of_steps_during_the_write(tmp_p
   assert read_status(tmp_path)['cadence']['interval_steps'] == event['interval_steps']
 
 
+def test_with_uploads_delta_and_durable_s_run_to_the_upload_and_step_time_leaves_it_out(tmp_path):
+  c, clock = auto_cadence(tmp_path, **{'checkpoint.mtbi': '1h'})
+  uploaded = [True]
+  committed = c.durable
+  c.durable = lambda: committed() and uploaded[0]  # as `RemoteRun.chain` does
+  c.start(0)
+  run_steps(c, clock, 0, 25)
+  save(c, clock, 25)  # the first save of a start: not measured
+  c.committed(commit(25))
+  run_steps(c, clock, 25, 60)
+  save(c, clock, 60, blocked_s=0.4)
+  uploaded[0] = False
+  run_steps(c, clock, 60, 70, step_s=0.15)  # the write: each step 0.05 s slower
+  c.committed(commit(60, seconds_to_commit=1.2))
+  assert run_steps(c, clock, 70, 80, step_s=0.15) == []  # the upload: slower still, never due
+  measured = [e for e in events_of(tmp_path, 'cadence') if 'slowdown_s' in e]
+  assert measured == []  # committed, not yet durable: the save is not over
+  uploaded[0] = True
+  run_steps(c, clock, 80, 81)  # the first boundary after the upload
+  event = events_of(tmp_path, 'cadence')[-1]
+  assert event['slowdown_s'] == pytest.approx(20 * 0.05) and c.delta_s == pytest.approx(1.4)
+  assert event['durable_s'] == pytest.approx(0.4 + 20 * 0.15 + 0.1)  # save start to uploaded
+  run_steps(c, clock, 81, 120)
+  save(c, clock, 120)
+  assert c.step_s == pytest.approx(0.1)  # timed between writes: no upload in those steps
+  assert event['interval_s'] >= event['durable_s']
+
+
 def test_any_save_restarts_the_interval_and_epochs_save_too(tmp_path):
   c, clock = auto_cadence(
       tmp_path, **{'checkpoint.mtbi': '1h', 'checkpoint.min_secs': 1.0, 'checkpoint.epochs': 1})
@@ -290,7 +338,8 @@ def test_two_sigkills_in_a_row_shorten_the_interval(trainer, tmp_path):
   plans = events_of(tmp_path, 'cadence')
   assert [p['interruptions'] for p in plans] == [0, 1, 2]
   assert plans[0]['mtbi_s'] > plans[1]['mtbi_s'] > plans[2]['mtbi_s']
-  assert plans[2]['mtbi_s'] < DAY  # two starts killed within seconds: sqrt(30d · seconds)
+  # Two starts killed within seconds, against a prior of 2 interruptions in 60 days: M halves.
+  assert plans[2]['mtbi_s'] == pytest.approx((2 * 30 * DAY + plans[2]['exposure_s']) / 4)
   assert plans[0]['interval_s'] > plans[1]['interval_s'] > plans[2]['interval_s']
 
 
@@ -305,6 +354,39 @@ def test_checkpoint_epochs_saves_where_an_epoch_ends(trainer, tmp_path):
                     '--config.train.steps=140')
   assert r.returncode == 0, r.stderr
   assert committed_steps(tmp_path) == ends + [140]
+
+
+def test_the_remote_records_of_the_last_checkpoint_hold_the_runs_end(trainer, s3_server, tmp_path):
+  """A fresh machine reads the run's history from the remote: a finished run or a Ctrl-C there
+  must not look like a start that was killed (the records of a checkpoint are taken before)."""
+  from jaxckpt.checkpoint.remote import Store, objects
+  url = s3_server.bucket()
+  store = Store(url)
+
+  def remote_history():  # what a fresh machine downloads with the newest checkpoint
+    step = max(objects.committed(store))
+    down = tmp_path / f'down{step}'
+    down.mkdir()
+    _, records = objects.download(store, step, down)
+    events = [json.loads(line) for line in records['events.jsonl'].decode().splitlines()]
+    return step, [(e['event'], e.get('signal')) for e in events if e['event'] in ENDS], events
+
+  r = trainer.train(tmp_path / 'vm1', '--config.train.steps=40', '--checkpoint_every=20',
+                    f'--remote={url}')
+  assert r.returncode == 0, r.stderr
+  step, ends, events = remote_history()
+  assert step == 40 and ends == [('finished', None)]
+  assert read_history(events).interruptions == 0
+  vm2 = tmp_path / 'vm2'  # a fresh machine continues it from the remote; Ctrl-C
+  proc = trainer.start(vm2, '--config.train.steps=100000', '--checkpoint_every=1000',
+                       f'--remote={url}', '--config.train.log_every=10')
+  wait_for(lambda: (vm2 / 'status.json').exists() and read_status(vm2).get('step', 0) >= 60, proc)
+  proc.send_signal(signal.SIGINT)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 128 + signal.SIGINT, out
+  step, ends, events = remote_history()
+  assert step > 40 and ends == [('finished', None), ('interrupted', 'SIGINT')], (step, ends)
+  assert read_history(events).interruptions == 0
 
 
 @pytest.mark.parametrize('flag, code, names', [

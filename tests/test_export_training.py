@@ -123,11 +123,16 @@ def test_a_failing_export_stops_the_run_with_one_clear_line(trainer, tmp_path):
   r = trainer.train(tmp_path, *RUN_FLAGS, '--export_every=10')
   assert r.returncode == 1, r.stderr
   assert 'Traceback' not in r.stderr
+  # A failed export is a failed save: heard at once, retried at the next checkpoint, and the
+  # retry failing too stops the run, naming both the export's error and the last good step.
   (line,) = [l for l in r.stderr.splitlines() if l.startswith('jaxckpt:')]
-  assert line.startswith('jaxckpt: E-EXPORT-006: exporting step 10 as safetensors')
-  assert 'checkpoint step 10 is committed and intact' in line
-  assert 10 in committed_steps(tmp_path)
-  assert [e['step'] for e in events_of(tmp_path, 'export_failed')] == [10]
+  assert line.startswith('jaxckpt: E-CKPT-001: checkpoint step 20 failed, the retry of a failed '
+                         'one: E-EXPORT-006: exporting step 20 as safetensors'), line
+  assert 'the last good checkpoint is step 20 (' in line
+  assert 'checkpoint step 20 is committed and intact' in line
+  assert {10, 20} <= set(committed_steps(tmp_path))
+  assert [e['step'] for e in events_of(tmp_path, 'export_failed')] == [10, 20]
+  assert [e['step'] for e in events_of(tmp_path, 'save_failed')] == [10, 20]
   assert read_status(tmp_path)['state'] == 'failed'
 
 

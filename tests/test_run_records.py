@@ -112,18 +112,23 @@ def test_a_save_that_fails_while_the_run_stops_for_another_error_is_reported(
   """The loop fails (here: sampling raises) while the checkpoint before it is still being
   written and fails too: the loop's error is raised, and the save's is logged and recorded."""
   import logging
+  import threading
 
   from conftest import tiny_config
   from jaxckpt import train
   from jaxckpt.checkpoint import statefile
 
-  def disk_gone(*args, **kwargs):
+  sampled = threading.Event()
+
+  def disk_gone(*args, **kwargs):  # still in flight when the loop fails: it waits for that
+    sampled.wait(60)
     raise OSError(5, 'Input/output error')
 
   real_samples = train.generate_samples
 
   def samples(trainer, params, step):
     if step == 20:
+      sampled.set()
       raise RuntimeError('sampling failed')
     return real_samples(trainer, params, step)
 

@@ -23,8 +23,8 @@ from .errors import ArgumentError
 
 AUTO = 'auto'
 DEFAULT_MTBI_S = 6 * 3600.0  # see CadenceOptions
-# The prior weighs as much as this many interruptions: from the run's third on, its own history
-# outweighs it (see `blend_mtbi`).
+# The prior weighs as much as this many interruptions seen over this many times M0: once the run
+# has run longer than that, its own history outweighs it (see `blend_mtbi`).
 PRIOR_WEIGHT = 2.0
 # Each new measurement of δ moves the estimate this far (an exponential moving average): one
 # slow save (a busy disk, a first-touch of the staging buffer) cannot triple the interval.
@@ -94,19 +94,15 @@ def blend_mtbi(prior_s: float,
   """The mean time between interruptions, from a prior and the run's own history.
 
   `exposure_s` is the run's running time so far, over which it was interrupted `interruptions`
-  times. Before the first interruption, M grows with the time the run has survived:
-  `M0 + exposure / k0` (the prior read as k0 interruptions seen over k0·M0). After n of them, M
-  is the weighted geometric mean of M0 (weight k0) and the run's own exposure / n (weight n): M
-  is a scale, and a prior 36 times too long pulls by that ratio, not by its size (an arithmetic
-  blend, (k0·M0 + exposure) / (k0 + n), took hundreds of interruptions every 10 minutes to forget
-  a 6 h prior; benchmarks/cadence.py). History outweighs the prior once n > k0.
+  times. The prior is read as evidence: k0 = `prior_weight` interruptions seen over k0·M0 of
+  running time. Pooled with the run's own n interruptions over its exposure E,
+  `M = (k0·M0 + E) / (k0 + n)`: the conjugate (Gamma-Poisson) estimate of an interruption rate,
+  weighed by how much evidence each side has. Before the first interruption M = M0 + E / k0 (a
+  run that survives grows M); as evidence grows M tends to the run's own E / n, however far off
+  the prior was (a prior of 6 h and one interruption in 1000 h: M = 337 h, not 6 h).
   """
   exposure_s = max(0.0, exposure_s)
-  if interruptions <= 0:
-    return prior_s + exposure_s / prior_weight
-  own = max(exposure_s, 1e-3) / interruptions
-  return math.exp((prior_weight * math.log(prior_s) + interruptions * math.log(own)) /
-                  (prior_weight + interruptions))
+  return (prior_weight * prior_s + exposure_s) / (prior_weight + max(0, interruptions))
 
 
 def smooth(previous: float | None, sample: float, weight: float = DELTA_WEIGHT) -> float:
@@ -139,7 +135,8 @@ class CadenceOptions:
     of what preemptible machines see (spot capacity reclaimed within the hour on a bad day, a
     day or more on a good one; Google's preemptible VMs stop after 24 h at the latest). Waste
     grows slowly around the optimum: an M off by 4x costs 25% more waste than the right one,
-    and the run's own interruptions replace the prior within a few.
+    and the run's own history outweighs the prior once it has run longer than
+    `prior_weight`·M0 (12 h by default).
   min_secs, max_secs: bounds on the interval (0: none). Whatever they say, a checkpoint is never
     started before the previous one is durable.
   prior_weight: the prior counts as this many interruptions (see `blend_mtbi`).
