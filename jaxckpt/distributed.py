@@ -17,8 +17,8 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
-import logging as py_logging
 import math
 import os
 import sys
@@ -29,10 +29,11 @@ from typing import Any, Callable
 
 from absl import logging
 
+from jaxckpt import joining
 from jaxckpt.checkpoint.errors import CheckpointError
-from jaxckpt.errors import JaxckptError, UsageError
+from jaxckpt.errors import JaxckptError, UsageError, exit_code
 from jaxckpt.runlog import RunLog
-from jaxckpt.workdir import WorkdirLock, checkpoints_dir
+from jaxckpt.workdir import WorkdirLock
 
 _PREFIX = 'jaxckpt/run'
 
@@ -58,6 +59,10 @@ _cluster = Cluster()
 _watchdog: 'Watchdog | None' = None
 _closing: list[Callable[[], None]] = []  # threads of this process that talk to the coordinator
 _failed = False  # this process stops for an error: the others need not wait for it
+_starting = False  # within `startup()`, before `started()`
+_exit_code: int | None = None  # this process failed at start, and exits with this
+_peer_stopped: list[str] = []  # the E-DIST-009 line of a process that failed at start
+_AT_START = 'at start: '  # 'failed at start: LINE': the last word of a process failed at start
 
 
 def current() -> Cluster:
@@ -75,16 +80,26 @@ def initialize(coordinator_address: str | None = None,
                *,
                heartbeat_timeout_seconds: float = 60.0,
                timeout_secs: float = 600.0,
+               init_timeout_secs: float = 300.0,
+               stop_signal: Callable[[], int | None] = lambda: None,
                on_lost: Callable[[str], None] | None = None) -> Cluster:
   """Join the `jax.distributed` job the flags (or the cluster's environment) describe.
 
   Without flags and outside a detected cluster this is one process, as always. Call it before
-  anything touches the devices.
+  anything touches the devices. While the other processes are awaited (`jaxckpt.joining`): a
+  line every 10 s, E-DIST-005 and exit 1 past `init_timeout_secs`, and a stop signal (that
+  `stop_signal()` returns) ends the process at once.
   """
   global _cluster
   asked = any(v is not None for v in (coordinator_address, num_processes, process_id))
-  if not asked and not _cluster_detected():
+  if not asked and not joining.cluster_detected():
     return _cluster
+  address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
+  joining.check_flags(
+      address,
+      init_timeout_secs=init_timeout_secs,
+      barrier_timeout_secs=timeout_secs,
+      heartbeat_timeout_seconds=heartbeat_timeout_seconds)
   import jax  # pylint: disable=import-outside-toplevel
   # Stops are agreed here (`Agreement`); JAX's own preemption service would take SIGTERM away
   # from the trainer's handler.
@@ -92,13 +107,20 @@ def initialize(coordinator_address: str | None = None,
   if jax.config.jax_cpu_collectives_implementation in (None, '', 'none'):
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')  # CPU hosts talk via gloo
   try:
-    # JAX's own heartbeat is the backstop: the watchdog below names a lost process first.
-    jax.distributed.initialize(
-        coordinator_address,
-        num_processes,
-        process_id,
-        heartbeat_timeout_seconds=int(2 * heartbeat_timeout_seconds + 10),
-        initialization_timeout=int(max(timeout_secs, 60)))
+    # JAX's own heartbeat is the backstop: the watchdog below names a lost process first. Its
+    # join timeout too: past it, it aborts; `joining` says who is missing before that.
+    joining.join(
+        lambda: jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            heartbeat_timeout_seconds=int(2 * heartbeat_timeout_seconds + 10),
+            initialization_timeout=int(init_timeout_secs + 60)),
+        address=address,
+        count=num_processes,
+        index=process_id,
+        timeout_secs=init_timeout_secs,
+        stop_signal=stop_signal)
   except (ValueError, TypeError, RuntimeError) as e:
     raise UsageError(
         'E-DIST-004', f'cannot join the jax.distributed job: {" ".join(str(e).split())}',
@@ -106,7 +128,7 @@ def initialize(coordinator_address: str | None = None,
         'every process (or run where JAX detects the cluster)') from None
   _cluster = Cluster(jax.process_index(), jax.process_count(), timeout_secs,
                      heartbeat_timeout_seconds)
-  logging.get_absl_handler().addFilter(_Prefix(f'[{_cluster.index}/{_cluster.count}] '))
+  logging.get_absl_handler().addFilter(joining.Prefix(f'[{_cluster.index}/{_cluster.count}] '))
   if _cluster.count > 1:
     global _watchdog
     _watchdog = Watchdog(_cluster, on_lost)
@@ -122,6 +144,8 @@ def _shutdown() -> None:
     close()
   if _watchdog is not None:
     _watchdog.finish(_failed)
+    if _exit_code is not None:  # failed at start: no orderly end (`joining.leave`)
+      joining.leave(_cluster, f'{_PREFIX}/gone', _exit_code)
 
 
 def on_exit(close: Callable[[], None]) -> None:
@@ -139,30 +163,45 @@ def explain(error: BaseException) -> None:
     _watchdog.lost.wait(_cluster.heartbeat_secs + 3 * _watchdog.period)
 
 
-def _cluster_detected() -> bool:
-  """Whether JAX sees a cluster it can join by itself (TPU pod VMs, SLURM, Open MPI, ...)."""
-  if os.environ.get('JAX_COORDINATOR_ADDRESS'):
-    return True
+@contextlib.contextmanager
+def startup():
+  """Start-up, from the lock to the first step. Any error here (not only a CheckpointError: ENOSPC,
+  PermissionError, ValueError) is this process's last word: the others stop at once with
+  E-DIST-009 quoting it, wherever they wait, not at --barrier_timeout_secs."""
+  global _starting
+  _starting = True
   try:
-    from jax._src import clusters  # pylint: disable=import-outside-toplevel
-    return any(env.is_env_present()
-               for env in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
-               if not env.opt_in_only_method)
-  except Exception:  # pylint: disable=broad-except  # a private API: no detection, no job
-    return False
+    yield
+  except BaseException as e:
+    failed_at_start(e)
+    raise
+  finally:
+    _starting = False
 
 
-class _Prefix(py_logging.Filter):
-  """Starts each log line with the process's place in the job."""
+def failed_at_start(e: BaseException) -> None:
+  """Within `startup()`: tell the others now that `e` stops this process (once; before slow
+  clean-up such as a last upload's grace)."""
+  global _exit_code
+  if _starting and _exit_code is None:
+    _exit_code = exit_code(e) if isinstance(e, CheckpointError) else 1  # as the entry point
+    echo = isinstance(e, CheckpointError) and e.code == 'E-DIST-009'  # stopped by another
+    line = e.line() if isinstance(e, CheckpointError) else f'{type(e).__name__}: {e}'
+    failing('' if echo else _AT_START + ' '.join(line.split())[:300])
 
-  def __init__(self, prefix: str):
-    super().__init__()
-    self.prefix = prefix
 
-  def filter(self, record: py_logging.LogRecord) -> bool:
-    if not str(record.msg).startswith(self.prefix):
-      record.msg = self.prefix + str(record.msg)
-    return True
+def started() -> None:
+  """Start-up is over: a failure from here on is a lost process to the others (E-DIST-006)."""
+  global _starting
+  _starting = False
+
+
+def failing(why: str = '') -> None:
+  """This process stops for an error: it tells the others now (they stop at once), not at exit."""
+  global _failed
+  _failed = True
+  if _watchdog is not None:
+    _watchdog.finish(True, why)
 
 
 # ----------------------------------------------------------------------------- records
@@ -271,42 +310,29 @@ def agree(name: str, value: str, what: str) -> None:
 
 
 def shared_workdir(workdir: Path, *, remote: bool, config) -> bool:
-  """Whether every process sees `workdir` (its checkpoints) as one filesystem. Where it is each
-  host's own disk, each host's part of a checkpoint stays there: only with --remote (which holds
-  them whole) and jaxckpt's own files (one per process) can the run go on; otherwise E-DIST-007,
-  exit 2."""
-  if _cluster.count == 1:
-    return True
-  from jaxckpt.checkpoint.multihost import Group  # pylint: disable=import-outside-toplevel
-  try:
-    if Group(_cluster.timeout_secs).open(checkpoints_dir(workdir)):
-      return True
-  except CheckpointError as e:
-    if e.code != 'E-DIST-007':
-      raise
-    raise UsageError(e.code, f'--workdir={workdir}: {e.what}', e.fix) from None
-  storage = config.checkpoint.get('storage', 'auto')
-  if not remote or storage == 'orbax':
-    why = 'storage=orbax needs one filesystem' if remote else 'there is no --remote'
-    raise UsageError(
-        'E-DIST-007', f'--workdir={workdir} is not one filesystem across the {_cluster.count} '
-        f"processes (process 0's files there are not seen by every process) and {why}",
-        'put the workdir on a filesystem every host mounts, or add --remote=URL: each host then '
-        'keeps and uploads its own part, and a restart resumes from the remote')
-  logging.info(
-      "the workdir is on each host's own disk: each uploads its own part; a restart "
-      'resumes from %s', config.checkpoint.remote)
-  return False
+  """Whether every process sees `workdir` as one filesystem (`joining.shared_workdir`)."""
+  return joining.shared_workdir(_cluster, workdir, remote=remote, config=config)
 
 
 def _wait(cluster: Cluster, key: str, what: str) -> str:
-  try:
-    return cluster.client().blocking_key_value_get(key, int(cluster.timeout_secs * 1000))
-  except Exception as e:  # pylint: disable=broad-except  # the runtime's own error types
-    raise JaxckptError(
-        'E-DIST-005', f'waited {cluster.timeout_secs:g} s for {what} from the other processes: '
-        f'{" ".join(str(e).split())[:160]}', 'start every process of the job (same flags but '
-        '--process_id); a lost one is named by the others') from None
+  # In slices: a process that failed at start (`Watchdog`) ends the wait at once.
+  deadline = time.monotonic() + cluster.timeout_secs
+  while True:
+    if _peer_stopped:
+      raise UsageError('E-DIST-009', _peer_stopped[0],
+                       'fix what that line says, then start every process again')
+    left = deadline - time.monotonic()
+    try:
+      return cluster.client().blocking_key_value_get(key, int(max(0.05, min(0.5, left)) * 1000))
+    except Exception as e:  # pylint: disable=broad-except  # the runtime's own error types
+      if 'DEADLINE_EXCEEDED' in str(e) and left > 0.5:
+        continue
+      error = e
+      break
+  raise JaxckptError(
+      'E-DIST-005', f'waited {cluster.timeout_secs:g} s for {what} from the other processes: '
+      f'{" ".join(str(error).split())[:160]}', 'start every process of the job (same flags but '
+      '--process_id); a lost one is named by the others')
 
 
 # ----------------------------------------------------------------------------- lost process
@@ -324,14 +350,18 @@ class Watchdog(threading.Thread):
     self.lost = threading.Event()
     self._finished = threading.Event()
 
-  def finish(self, failed: bool) -> None:
-    """Stop watching, and leave the word 'done' or 'failed' instead of a sign of life."""
+  def finish(self, failed: bool, why: str = '') -> None:
+    """Stop watching, and leave the word 'done' or 'failed' (and `why`) instead of a sign of
+    life. Once: the first word stays."""
+    if self._finished.is_set():
+      return
     self._finished.set()
-    self.join(timeout=10)
+    if threading.current_thread() is not self:
+      self.join(timeout=10)
     try:
       self.cluster.client().key_value_set(
           f'{_PREFIX}/alive/{self.cluster.index}',
-          'failed' if failed else 'done',
+          ('failed' + (f' {why}' if why else '')) if failed else 'done',
           allow_overwrite=True)
     except Exception:  # pylint: disable=broad-except  # the coordinator may be gone already
       pass
@@ -360,11 +390,30 @@ class Watchdog(threading.Thread):
           seen[k] = (value, math.inf)
         elif value is not None and seen[k][0] != value:
           seen[k] = (value, now)
-      failed = [k for k in range(n) if alive.get(f'{_PREFIX}/alive/{k}') == 'failed']
+      words = {k: str(alive.get(f'{_PREFIX}/alive/{k}', '')) for k in range(n)}
+      for k in (k for k in range(n) if k != me and words[k].startswith('failed ' + _AT_START)):
+        what = words[k].partition(_AT_START)[2]
+        return self._stop_started(f'another process stopped: [process {k}] {what}')
+      failed = [k for k in range(n) if words[k].startswith('failed')]
       silent = [k for k in range(n) if k != me and now - seen[k][1] > self.cluster.heartbeat_secs]
       if failed or silent:
         self._stop_all(failed or silent, 'it failed' if failed else 'no sign of life')
       self._finished.wait(self.period)
+
+  def _stop_started(self, what: str) -> None:
+    """E-DIST-009: raised by `_wait` on the main thread (which unwinds, releasing what it
+    holds), else (it is in a collective that never returns) exit 2 from here."""
+    _peer_stopped.append(what)
+    if self._finished.wait(5.0):  # the main thread raised it, and is on its way out
+      return
+    line = f'E-DIST-009: {what}; fix what that line says, then start every process again'
+    try:
+      for log in _records:
+        log.event('failed', error=line)
+        log.status(state='failed', error=line)
+    finally:
+      print(f'jaxckpt: {line}', file=sys.stderr, flush=True)
+      os._exit(2)  # pylint: disable=protected-access  # as E-DIST-009 from `together`
 
   def _stop_all(self, lost: list[int], why: str) -> None:
     how = why if why == 'it failed' else f'{why} for {self.cluster.heartbeat_secs:g} s'
@@ -375,7 +424,7 @@ class Watchdog(threading.Thread):
     self.lost.set()
     try:
       for log in _records:  # process 0's records say why the run stopped
-        log.event('failed', error=line)
+        log.event('failed', error=line, lost_process=why != 'it failed')  # silent: an interruption
         log.status(state='failed', error=line)
       if self.on_lost is not None:
         self.on_lost(line)

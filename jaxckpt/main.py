@@ -48,6 +48,9 @@ flags.DEFINE_string(
     'or a mounted path; an empty --workdir resumes from it.')
 flags.DEFINE_float('remote_lease_secs', None,
                    'A --remote lease not renewed for this long is taken over.')
+flags.DEFINE_enum(
+    'remote_lease', None, ['on', 'off'], 'One writer per --remote prefix, enforced with a lease '
+    '(off: for a store that ignores conditional writes; nothing stops a second writer).')
 flags.DEFINE_float(
     'stop_grace_secs', None, 'After a stop signal, seconds the upload of the last checkpoint '
     'may take before the process exits (clouds give about 30).')
@@ -77,6 +80,13 @@ flags.DEFINE_float(
 flags.DEFINE_float(
     'barrier_timeout_secs', 600.0, 'How long a process waits for the others (a '
     "save's commit, an agreed stop) before failing, naming the missing ones.")
+flags.DEFINE_float(
+    'init_timeout_secs', 300.0, 'How long a process waits for all the others to join the job '
+    'at start (E-DIST-005 names the missing ones).')
+flags.DEFINE_float(
+    'step_timeout_secs', None, 'A step not done within this many seconds is a hang: every '
+    "thread's stack is logged and the run fails (E-DIST-010). Default: max(600, 50 x the "
+    'median step time).')
 flags.mark_flags_as_required(['config', 'workdir'])
 
 # Flags that set a config field; the manifest records such values with source `flag`.
@@ -91,6 +101,7 @@ FLAG_FIELDS = {
     'checkpoint_staging': 'checkpoint.staging',
     'remote': 'checkpoint.remote',
     'remote_lease_secs': 'checkpoint.remote_lease_secs',
+    'remote_lease': 'checkpoint.remote_lease',
     'stop_grace_secs': 'checkpoint.stop_grace_secs',
     'keep': 'checkpoint.keep',
     'keep_every': 'checkpoint.keep_every',
@@ -128,10 +139,17 @@ def train_from_flags(argv, watcher: signals.PreemptionWatcher | None = None) -> 
       FLAGS.num_processes,
       FLAGS.process_id,
       heartbeat_timeout_seconds=FLAGS.heartbeat_timeout_seconds,
-      timeout_secs=FLAGS.barrier_timeout_secs)
+      timeout_secs=FLAGS.barrier_timeout_secs,
+      init_timeout_secs=FLAGS.init_timeout_secs,
+      stop_signal=lambda: watcher and watcher.stop_signal)
   from jaxckpt import train  # after flag parsing: jax is slow to import
   train.train_and_evaluate(
-      config, FLAGS.workdir, resume=resume, provenance=provenance, watcher=watcher)
+      config,
+      FLAGS.workdir,
+      resume=resume,
+      provenance=provenance,
+      watcher=watcher,
+      step_timeout_secs=FLAGS.step_timeout_secs)
 
 
 if __name__ == '__main__':

@@ -5,6 +5,7 @@ the run's records while every process writes its shards of each checkpoint.
 """
 
 import json
+import re
 import signal
 import sys
 import time
@@ -80,7 +81,7 @@ def test_sigterm_to_one_process_stops_all_after_the_same_step(tmp_path, compile_
       [l for l in out.splitlines() if 'interrupted by SIGTERM at step' in l] for _, out in results
   ]
   assert [code for code, _ in results] == [143, 143], [out[-2000:] for _, out in results]
-  steps = {line[-1].rsplit(' ', 1)[1] for line in lines}
+  steps = {re.search(r'interrupted by SIGTERM at step (\d+)', line[-1])[1] for line in lines}
   assert len(steps) == 1, lines
   step = int(steps.pop())
   assert committed_steps(tmp_path) == [step]  # one checkpoint, of that step, from both
@@ -173,3 +174,56 @@ def test_a_cadence_in_seconds_saves_whole_checkpoints_whatever_the_clocks(tmp_pa
     assert len(manifest(tmp_path, step)['state_files']) == 2
     assert discovery.problems(tmp_path / 'checkpoints' / f'step_{step:08d}') == []
   assert not list((tmp_path / 'checkpoints').glob('*.tmp-*'))
+
+
+def launch_then_stop_process_1(cache, workdir, *flags: str):
+  """2 processes of a long run; once past step 5, process 1 is stopped (SIGSTOP): process 0
+  hangs for real in the next step's collective, every process alive as far as its sockets know
+  (one CPU device per process: with several, gloo can hang by itself, openxla/xla#16430)."""
+  procs = launch(cache, workdir, 2, '--config.train.steps=100000', '--checkpoint_every=0',
+                 '--heartbeat_timeout_seconds=300', *flags)  # the watchdog of lost ones waits
+  status = Path(workdir) / 'status.json'
+  wait_for(
+      lambda: status.exists() and json.loads(status.read_text()).get('step', 0) >= 5,
+      procs[0],
+      timeout=180)
+  procs[1].send_signal(signal.SIGSTOP)
+  return procs
+
+
+def test_a_hung_step_ends_the_run_with_every_stack_in_the_log(tmp_path, compile_cache):
+  procs = launch_then_stop_process_1(compile_cache, tmp_path, '--step_timeout_secs=10')
+  try:
+    [(code, out)] = finish_processes(procs[:1], timeout=120)
+  finally:
+    procs[1].kill()
+    procs[1].communicate()
+  line = out.strip().splitlines()[-1]
+  assert code == 1, out[-3000:]
+  assert line.startswith('jaxckpt: E-DIST-010: step ') and 'did not complete within' in line, line
+  assert 'most recent call first' in out and ' in _loop' in out  # the main thread, in the loop
+  status = json.loads((tmp_path / 'status.json').read_text())
+  assert status['state'] == 'failed' and status['error'] == line[len('jaxckpt: '):]
+  assert events_of(tmp_path, 'failed')[-1]['error'] == status['error']
+
+
+def test_a_second_sigterm_ends_a_process_stuck_in_a_step(tmp_path, compile_cache):
+  """The first SIGTERM waits for a step boundary that never comes; the second exits at once."""
+  procs = launch_then_stop_process_1(compile_cache, tmp_path)  # the step timeout: 600 s
+  try:
+    for _ in range(2):
+      procs[0].send_signal(signal.SIGTERM)
+      wait_for(lambda: not signal_pending(procs[0].pid, signal.SIGTERM), procs[0], timeout=10)
+    [(code, out)] = finish_processes(procs[:1], timeout=30)
+  finally:
+    for p in procs:
+      p.kill()
+      p.communicate()
+  assert code == 143, out[-3000:]
+  assert out.strip().splitlines()[-1] == 'jaxckpt: second SIGTERM: exiting now without a checkpoint'
+
+
+def signal_pending(pid: int, signum: int) -> bool:
+  """The signal is sent but not yet delivered (/proc/PID/status: SigPnd, ShdPnd)."""
+  fields = dict(line.split(':', 1) for line in open(f'/proc/{pid}/status').read().splitlines())
+  return any(int(fields[f], 16) >> (signum - 1) & 1 for f in ('SigPnd', 'ShdPnd'))

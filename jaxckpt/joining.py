@@ -1,0 +1,265 @@
+"""Joining a `jax.distributed` job without a silent hang.
+
+`jax.distributed.initialize` blocks in C++ until every process of the job has registered with
+the coordinator (process 0), and then, past its own timeout, aborts the process with a C++ stack
+(exit 134). While it blocks, Python runs no signal handler on the thread that called it. So it
+runs in a daemon thread here, and the main thread waits for it in short slices:
+
+- every `REPORT_SECS` one line says what this process waits for;
+- a stop signal (which the entry point's `PreemptionWatcher` turns into a flag) ends the process
+  at once, 128+n, with one line: nothing has started that a stop would have to save;
+- past `timeout_secs` (before JAX's own timeout) one line E-DIST-005 names the processes that did
+  not join, exit 1.
+
+Which processes have registered is known only to the coordinator, and JAX says nothing of it
+until all have; what a waiting process does know: it is here, and (for a process other than 0)
+whether anything answers at the coordinator's address. The lines say no more than that.
+"""
+
+from __future__ import annotations
+
+import logging as py_logging
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from absl import logging
+
+from jaxckpt.checkpoint.errors import CheckpointError
+from jaxckpt.errors import UsageError
+
+REPORT_SECS = 10.0
+_POLL_SECS = 0.2
+# HOST:PORT; HOST a name, an IPv4 address or a bracketed IPv6 address.
+_ADDRESS = re.compile(r'^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):([0-9]{1,5})$')
+
+
+def check_flags(address: str | None, **timeouts: float) -> None:
+  """E-DIST-004 for an `address` that is not HOST:PORT, E-CONFIG-004 for a timeout that is not
+  positive (both exit 2)."""
+  check_address(address)
+  for name, value in timeouts.items():
+    check_timeout(name, value)
+
+
+def check_address(address: str | None) -> None:
+  """E-DIST-004 (exit 2) unless `address` is None or HOST:PORT (JAX itself fails with an
+  IndexError on a HOST alone)."""
+  if address is None:
+    return
+  m = _ADDRESS.match(address)
+  if m is None or not 0 < int(m.group(2)) < 65536:
+    raise UsageError(
+        'E-DIST-004', f'--coordinator_address={address!r} is not HOST:PORT',
+        'pass the address of process 0 and a free port on it, the same on every process, '
+        'e.g. --coordinator_address=10.0.0.1:1234 (or [::1]:1234)')
+
+
+def check_timeout(name: str, value: float) -> None:
+  if not value > 0:
+    raise UsageError('E-CONFIG-004', f'--{name}={value:g} is not a positive number of seconds',
+                     f'pass --{name}=300 (or more)')
+
+
+class _Job:
+  """What this process knows of the job it joins: for the lines it prints."""
+
+  def __init__(self, address: str | None, count: int | None, index: int | None):
+    self.address, self.count, self.index = address, count, index
+
+  def others(self) -> list[int]:
+    return [k for k in range(self.count or 0) if k != self.index]
+
+  def coordinator_answers(self) -> bool:
+    """Whether anything accepts a connection at the coordinator's address (the service of
+    process 0 listens there once that process has started)."""
+    host, _, port = self.address.rpartition(':')
+    try:
+      with socket.create_connection((host.strip('[]'), int(port)), timeout=1.0):
+        return True
+    except OSError:
+      return False
+
+  def waiting(self, elapsed: float, timeout: float) -> str:
+    at = f'({elapsed:.0f} s of {timeout:g})'
+    if self.address is None or self.count is None or self.index is None:
+      return f'waiting to join the jax.distributed job the environment describes {at}'
+    if self.index != 0 and not self.coordinator_answers():
+      return (f'waiting for process 0 of {self.count} (the coordinator) at {self.address}: '
+              f'nothing answers there yet {at}')
+    return (f'waiting for {self._missing()} of {self.count} processes to join {self.address} {at}')
+
+  def _missing(self) -> str:
+    # Process 0 registers itself as it starts the service: of 2, the one missing is the other.
+    others = len(self.others())
+    if self.index == 0 and others == 1:
+      return '1'
+    return f'up to {others} (jax.distributed does not say how many have joined)'
+
+  def not_joined(self, timeout: float) -> str:
+    fix = ('start every process of the job, each --process_id once (0..N-1), with the same '
+           '--coordinator_address and --num_processes; or raise --init_timeout_secs')
+    if self.address is None or self.count is None or self.index is None:
+      return (f'E-DIST-005: the jax.distributed job was not joined within {timeout:g} s; '
+              f'{fix}')
+    if self.index != 0 and not self.coordinator_answers():
+      return (f'E-DIST-005: process(es) [0] of {self.count} did not join within {timeout:g} s '
+              f'(nothing answers at {self.address}, its address); {fix}')
+    some = '' if self.index == 0 and len(self.others()) == 1 else 'some of '
+    which = '' if not some else ' (jax.distributed does not say which)'
+    taken = '' if self.index == 0 else f', or --process_id={self.index} is taken by another'
+    return (f'E-DIST-005: {some}process(es) {self.others()} of {self.count} did not join '
+            f'{self.address} within {timeout:g} s{which}{taken}; {fix}')
+
+
+def join(initialize: Callable[[], None],
+         *,
+         address: str | None,
+         count: int | None,
+         index: int | None,
+         timeout_secs: float,
+         stop_signal: Callable[[], int | None] = lambda: None) -> None:
+  """`initialize()` (a `jax.distributed.initialize` whose own timeout is longer than
+  `timeout_secs`), waited for as the module docstring says. Its exceptions are raised here."""
+  job = _Job(address, count, index)
+  if index == 0 and address is not None:
+    _check_port_free(address)
+  raised: list[BaseException] = []
+
+  def run():
+    try:
+      initialize()
+    except BaseException as e:  # pylint: disable=broad-except  # raised on the main thread
+      raised.append(e)
+
+  thread = threading.Thread(target=run, name='jaxckpt-join', daemon=True)
+  start = time.monotonic()
+  thread.start()
+  reported = start
+  while True:
+    thread.join(_POLL_SECS)  # a signal's handler runs on this thread meanwhile
+    if not thread.is_alive():
+      break
+    now = time.monotonic()
+    signum = stop_signal()
+    if signum is not None:
+      _exit(
+          f'{signal.Signals(signum).name} while waiting to join the jax.distributed job '
+          f'({now - start:.0f} s): exiting now, nothing had started', 128 + signum)
+    if now - start >= timeout_secs:
+      _exit(job.not_joined(timeout_secs), 1)
+    if now - reported >= REPORT_SECS:
+      reported = now
+      logging.info('%s', job.waiting(now - start, timeout_secs))
+  if raised:
+    raise raised[0]
+
+
+def _check_port_free(address: str) -> None:
+  """E-DIST-004 when something listens on the coordinator's port here already. JAX's service
+  shares a port with another listener (SO_REUSEPORT): a second process 0 would wait, or abort."""
+  port = int(address.rpartition(':')[2])
+  try:
+    s = socket.socket(socket.AF_INET6)  # '' is then every address, IPv4 ones too
+  except OSError:  # a host without IPv6
+    s = socket.socket(socket.AF_INET)
+  with s:
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed one's TIME_WAIT is fine
+    try:
+      s.bind(('', port))
+    except OSError as e:
+      raise UsageError(
+          'E-DIST-004', f'--coordinator_address={address}: port {port} is in use on this host '
+          f'({e.strerror}): another process 0 of this job, or another program, listens there',
+          'start one process per --process_id; or give the job a free port') from None
+
+
+def leave(cluster, prefix: str, code: int) -> None:
+  """Exit `code` now, without JAX's shutdown: a job that a process left in failure at start has
+  no orderly end (JAX's shutdown barrier, or its polling of a coordinator that is gone, aborts
+  the process with a C++ stack). Process 0, the coordinator, waits (30 s at most: a loaded
+  machine can take seconds to unwind) for the others to leave first: each says so under
+  `prefix`."""
+  try:
+    client = cluster.client()
+    client.key_value_set(f'{prefix}/{cluster.index}', 'gone', allow_overwrite=True)
+    deadline = time.monotonic() + 30.0
+    for k in range(1, cluster.count) if cluster.index == 0 else ():
+      client.blocking_key_value_get(f'{prefix}/{k}',
+                                    int(max(1, 1000 * (deadline - time.monotonic()))))
+  except Exception:  # pylint: disable=broad-except  # gone, or not leaving: exit anyway
+    pass
+  logging.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(code)  # pylint: disable=protected-access
+
+
+def _exit(line: str, code: int) -> None:
+  """One line, then exit: the join thread is inside C++ and cannot be stopped, and JAX's exit
+  handlers would wait for the job it never joined."""
+  sys.stdout.flush()
+  print(f'jaxckpt: {line}', file=sys.stderr, flush=True)
+  os._exit(code)  # pylint: disable=protected-access
+
+
+def cluster_detected() -> bool:
+  """Whether JAX sees a cluster it can join by itself (TPU pod VMs, SLURM, Open MPI, ...)."""
+  if os.environ.get('JAX_COORDINATOR_ADDRESS'):
+    return True
+  try:
+    from jax._src import clusters  # pylint: disable=import-outside-toplevel
+    return any(env.is_env_present()
+               for env in clusters.ClusterEnv._cluster_types  # pylint: disable=protected-access
+               if not env.opt_in_only_method)
+  except Exception:  # pylint: disable=broad-except  # a private API: no detection, no job
+    return False
+
+
+class Prefix(py_logging.Filter):
+  """Starts each log line with the process's place in the job."""
+
+  def __init__(self, prefix: str):
+    super().__init__()
+    self.prefix = prefix
+
+  def filter(self, record: py_logging.LogRecord) -> bool:
+    if not str(record.msg).startswith(self.prefix):
+      record.msg = self.prefix + str(record.msg)
+    return True
+
+
+def shared_workdir(cluster, workdir: Path, *, remote: bool, config) -> bool:
+  """Whether every process sees `workdir` (its checkpoints) as one filesystem. Where it is each
+  host's own disk, each host's part of a checkpoint stays there: only with --remote (which holds
+  them whole) and jaxckpt's own files (one per process) can the run go on; otherwise E-DIST-007,
+  exit 2."""
+  if cluster.count == 1:
+    return True
+  from jaxckpt.checkpoint.multihost import Group  # pylint: disable=import-outside-toplevel
+  from jaxckpt.workdir import checkpoints_dir  # pylint: disable=import-outside-toplevel
+  try:
+    if Group(cluster.timeout_secs).open(checkpoints_dir(workdir)):
+      return True
+  except CheckpointError as e:
+    if e.code != 'E-DIST-007':
+      raise
+    raise UsageError(e.code, f'--workdir={workdir}: {e.what}', e.fix) from None
+  storage = config.checkpoint.get('storage', 'auto')
+  if not remote or storage == 'orbax':
+    why = 'storage=orbax needs one filesystem' if remote else 'there is no --remote'
+    raise UsageError(
+        'E-DIST-007', f'--workdir={workdir} is not one filesystem across the {cluster.count} '
+        f"processes (process 0's files there are not seen by every process) and {why}",
+        'put the workdir on a filesystem every host mounts, or add --remote=URL: each host then '
+        'keeps and uploads its own part, and a restart resumes from the remote')
+  logging.info(
+      "the workdir is on each host's own disk: each uploads its own part; a restart "
+      'resumes from %s', config.checkpoint.remote)
+  return False
