@@ -36,12 +36,18 @@ def validate_config(config) -> None:
   if m.dtype not in ('float32', 'bfloat16'):
     raise ConfigError('E-CONFIG-001', f'model.dtype={m.dtype!r} is not float32 or bfloat16',
                       'set --config.model.dtype')
+  in_flight = t.get('max_steps_in_flight', 2)
+  if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0:
+    raise ConfigError('E-CONFIG-001',
+                      f'train.max_steps_in_flight={in_flight!r} must be a whole number >= 0',
+                      'set --config.train.max_steps_in_flight (2: the default; 0: no bound)')
   if config.samples.keep < 0:
     raise ConfigError('E-CONFIG-001', f'samples.keep={config.samples.keep} is negative',
                       'set --config.samples.keep to the rounds to keep (0: none)')
   if len(config.samples.prompt.encode()) >= m.block_size:
     raise ConfigError('E-CONFIG-001', 'samples.prompt is as long as model.block_size',
                       'shorten --config.samples.prompt')
+  _validate_sources(config.data.sources)
   bandit_lib.validate(config.bandit, list(config.data.sources))
   init_from_lib.validate(config)
   checkpoint_options(config)  # validates mode and counts
@@ -50,11 +56,24 @@ def validate_config(config) -> None:
   during_training.options_from_config(config)  # validates export cadence, formats, retention
 
 
+def _validate_sources(sources) -> None:
+  """Each data source names its files: `--config.data.sources.main=5` parses as `(5,)`."""
+  for name, paths in sources.items():
+    if not isinstance(paths, (tuple, list)) or not all(isinstance(p, str) for p in paths):
+      raise ConfigError(
+          'E-CONFIG-001', f'data.sources.{name}={paths!r} is not a tuple of file paths',
+          f"set --config.data.sources.{name}=\"('file.txt',)\" (text files, uint16 .bin "
+          "files or 'embedded')")
+
+
 def _validate_remote(c) -> None:
   """The remote tier's times (the URL itself is checked, with the store, before step 1)."""
   if not c.get('remote_lease_secs', 60.0) > 0:
     raise ConfigError('E-CONFIG-004', f'checkpoint remote_lease_secs={c.remote_lease_secs} is not '
                       'positive', 'set --remote_lease_secs to seconds, e.g. 60')
+  if c.get('remote_lease', 'on') not in ('on', 'off'):
+    raise ConfigError('E-CONFIG-004', f'checkpoint remote_lease={c.remote_lease!r} is not on or '
+                      'off', 'set --remote_lease=on (one writer per prefix) or off')
   if not c.get('stop_grace_secs', 25.0) >= 0:
     raise ConfigError('E-CONFIG-004', f'checkpoint stop_grace_secs={c.stop_grace_secs} is '
                       'negative', 'set --stop_grace_secs to seconds (0: do not wait)')

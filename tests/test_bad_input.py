@@ -31,6 +31,21 @@ CASES = [
     ('missing flagfile', ['--flagfile={inputs}/no_flagfile'], 'E-USAGE-001', 'no_flagfile'),
     ('lease of no time', ['--remote_lease_secs=0'], 'E-CONFIG-004', 'remote_lease_secs=0'),
     ('negative stop grace', ['--stop_grace_secs=-1'], 'E-CONFIG-004', 'stop_grace_secs=-1'),
+    ('negative steps in flight', ['--config.train.max_steps_in_flight=-1'], 'E-CONFIG-001',
+     'train.max_steps_in_flight=-1'),
+    ('a data source that is no path', ['--config.data.sources.main=5'], 'E-CONFIG-001',
+     'data.sources.main=(5,)'),
+    ('coordinator address without a port',
+     ['--coordinator_address=127.0.0.1', '--num_processes=2',
+      '--process_id=0'], 'E-DIST-004', "--coordinator_address='127.0.0.1' is not HOST:PORT"),
+    ('coordinator port out of range',
+     ['--coordinator_address=127.0.0.1:99999', '--num_processes=2',
+      '--process_id=0'], 'E-DIST-004', '127.0.0.1:99999'),
+    ('init timeout of no time', [
+        '--coordinator_address=127.0.0.1:1', '--num_processes=1', '--process_id=0',
+        '--init_timeout_secs=0'
+    ], 'E-CONFIG-004', 'init_timeout_secs=0'),
+    ('step timeout of no time', ['--step_timeout_secs=0'], 'E-CONFIG-004', 'step_timeout_secs=0'),
 ]
 
 

@@ -1,11 +1,15 @@
 """Resume modes and bad input: one line naming the problem and the fix, exit 2, no traceback."""
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from conftest import committed_steps, events_of, flip_a_data_byte, jaxckpt_cli
-from jaxckpt.checkpoint import discovery
+from conftest import REPO, committed_steps, events_of, flip_a_data_byte, jaxckpt_cli
+from jaxckpt.checkpoint import discovery, layout, manifest
 
 FLAGS = ('--config.train.steps=20', '--checkpoint_every=10')
 
@@ -116,3 +120,68 @@ def test_relative_workdir(trainer, tmp_path):
       timeout=None)
   assert export.returncode == 0, export.stderr
   assert (tmp_path / 'x.bin').stat().st_size == 8 + 12 * 136_960
+
+
+# `jaxckpt` commands on bad input, one table: (id, argv, stdout, exit status, the line's code).
+# `{ckpt}` is a committed checkpoint, `{hostile}` one whose manifest names a file outside it and
+# is re-sealed (as a hostile writer could), `{dir}` a directory and `{file}` a file that exist.
+# stdout `closed`: a pipe whose reader has gone (`| head -3` once head exits); then nothing at
+# all may be said (exit 141, as a shell reports `cat` killed by SIGPIPE).
+CLI_CASES = [
+    ('export bin onto a directory', ['export', '{ckpt}', '--format=bin',
+                                     '--out={dir}'], 'pipe', 2, 'E-EXPORT-007'),
+    ('export hf onto a file', ['export', '{ckpt}', '--format=hf',
+                               '--out={file}'], 'pipe', 2, 'E-EXPORT-007'),
+    ('inspect a manifest naming ../ files', ['inspect', '{hostile}'], 'pipe', 1, 'E-CKPT-005'),
+    ('inspect --json to a reader that left', ['inspect', '{ckpt}', '--json'], 'closed', 141, None),
+]
+
+
+@pytest.fixture(scope='module')
+def cli_inputs(finished_run, tmp_path_factory) -> dict[str, str]:
+  root = tmp_path_factory.mktemp('cli_inputs')
+  ckpt = finished_run / 'checkpoints' / 'step_00000020'
+  hostile = root / 'hostile' / ckpt.name
+  shutil.copytree(ckpt, hostile)
+  m = manifest.read(hostile)
+  m['files']['../../outside'] = m['files'].pop('run_state.json')
+  (hostile / layout.MANIFEST).write_bytes(manifest.sealed_json(m))
+  (root / 'a_dir').mkdir()
+  (root / 'a_dir' / 'kept.txt').write_text('mine\n')
+  (root / 'a_file').write_text('mine\n')
+  return {
+      'ckpt': str(ckpt), 'hostile': str(hostile), 'dir': str(root / 'a_dir'),
+      'file': str(root / 'a_file')
+  }
+
+
+def run_cli(argv: list[str], stdout: str) -> subprocess.CompletedProcess:
+  if stdout == 'pipe':
+    return jaxckpt_cli(*argv)
+  read_end, write_end = os.pipe()
+  os.close(read_end)  # the reader is gone before the first byte is written
+  try:
+    return subprocess.run([sys.executable, '-m', 'jaxckpt.cli', *argv],
+                          cwd=REPO,
+                          stdout=write_end,
+                          stderr=subprocess.PIPE,
+                          text=True,
+                          timeout=120)
+  finally:
+    os.close(write_end)
+
+
+@pytest.mark.parametrize(
+    'argv, stdout, status, code', [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
+def test_a_command_on_bad_input_says_one_line(cli_inputs, argv, stdout, status, code):
+  before = {p: Path(p).read_text() for p in (cli_inputs['file'], cli_inputs['dir'] + '/kept.txt')}
+  r = run_cli([a.format(**cli_inputs) for a in argv], stdout)
+  assert r.returncode == status, r.stderr
+  assert 'Traceback' not in r.stderr, r.stderr
+  if code is None:
+    assert r.stderr == ''
+  else:
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith(f'jaxckpt: {code}: '), lines[-1]
+    assert [line for line in lines if line.startswith('jaxckpt:')] == [lines[-1]]
+  assert {p: Path(p).read_text() for p in before} == before  # nothing replaced

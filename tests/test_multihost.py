@@ -3,15 +3,17 @@
 Each test starts N processes of this file (`python tests/test_multihost.py CMD ...`, see
 `worker`), each with 2 CPU devices; the mesh spans every process's devices. The state's values
 are a pure function of nothing, so any process count can check what it restored, byte for byte.
+One trainer start (`python -m jaxckpt.main`) checks what the processes agree to resume from.
 """
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from conftest import assert_same_bytes, finish_processes, start_processes
+from conftest import TINY, assert_same_bytes, finish_processes, start_processes
 
 SPECS = {  # name: (shape, dtype, partition spec over ('data', 'model'))
     'params/w': ((8, 16), 'float32', ('data', 'model')),
@@ -34,10 +36,12 @@ def expected() -> dict[str, np.ndarray]:
 
 
 def worker(cmd: str, process: int, count: int, coordinator: str, directory: str, *rest: str):
-  """One process: `save STEP [storage]`, `restore [storage]` (check every shard, save STEP+1) or
-  `stall` (open the manager, never save)."""
+  """One process: `save STEP [storage]`, `restore [storage]` (check every shard, save STEP+1),
+  `stall` (open the manager, never save) or `local STEP` (save with a process-local leaf)."""
   import jax
-  jax.config.update('jax_num_cpu_devices', 2)
+  # `local`: one CPU device per process (gloo's collectives can hang with several, openxla/xla
+  # #16430); the older commands keep their two.
+  jax.config.update('jax_num_cpu_devices', 1 if cmd == 'local' else 2)
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   jax.config.update('jax_enable_preemption_service', False)
   if count > 1:
@@ -53,11 +57,13 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
   directory = directory.format(k=process, pair=process // 2)  # 'host{k}': each its own disk
   mgr = CheckpointManager(directory,
                           CheckpointOptions(storage=storage, barrier_timeout_secs=timeout))
-  if cmd in ('save', 'stall'):
+  if cmd in ('save', 'stall', 'local'):
     state = {
         n: jax.make_array_from_callback(x.shape, shardings[n], lambda i, x=x: x[i])
         for n, x in want.items()
     }
+    if cmd == 'local':  # one leaf on this process's device alone: each process has its own
+      state['opt/local'] = jax.device_put(np.arange(3) + process, jax.local_devices()[0])
     if cmd == 'stall' and process == 1:
       return  # never saves: process 0 must give up within its timeout, naming it
     try:
@@ -171,10 +177,52 @@ def test_a_directory_shared_by_some_processes_and_not_others_is_refused(tmp_path
   assert not list(tmp_path.rglob('step_*'))
 
 
+def test_a_process_local_leaf_is_refused_before_anything_is_written(tmp_path, compile_cache):
+  """Saved, each process would write its own value as the one array, and no restore could tell
+  which is right: every process refuses the save at once, naming the leaf and the fix."""
+  for k, (code, out) in enumerate(run(tmp_path, compile_cache, 'local', 2, '1')):
+    line = next((s for s in out.splitlines() if s.startswith('ERROR ')), out[-2000:])
+    assert code == 3 and 'E-DIST-011' in line and 'opt/local' in line, (k, out[-3000:])
+    assert 'SingleDeviceSharding' in line and 'NamedSharding' in line, line
+  assert not list(tmp_path.glob('step_*'))  # nothing written, not even a temporary directory
+
+
 def test_a_process_that_never_arrives_is_named_and_nothing_is_committed(tmp_path, compile_cache):
   (code0, out0), (code1, _) = run(tmp_path, compile_cache, 'stall', 2, '1')
   assert code0 == 3 and 'E-DIST-002' in out0 and 'process(es) [1] of 2' in out0, out0[-3000:]
   assert not (step_dir(tmp_path, 1) / 'manifest.json').exists()
+
+
+def test_hosts_holding_different_commits_of_one_step_refuse_to_resume(tmp_path, trainer,
+                                                                      compile_cache):
+  """Each host's own disk holds step_00000010, whole, but the two are different commits (here
+  the same state committed at other times: another history's would do the same). The processes
+  compare the manifests' seals, not the names, and stop before the first step with E-DIST-008."""
+  from jaxckpt.checkpoint import manifest
+  remote = tmp_path / 'remote'
+  flags = ('--config.train.steps=10', '--checkpoint_every=10', f'--remote={remote}')
+  r = trainer.train(tmp_path / 'host0', *flags)
+  assert r.returncode == 0, r.stderr
+  shutil.copytree(tmp_path / 'host0', tmp_path / 'host1')
+  other = tmp_path / 'host1' / 'checkpoints' / 'step_00000010'
+  m = manifest.read(other)
+  m['committed_at'] += 1
+  (other / 'manifest.json').write_bytes(manifest.sealed_json(m))
+  seals = [
+      manifest.read(tmp_path / f'host{k}' / 'checkpoints' / other.name)[manifest.SEAL]
+      for k in range(2)
+  ]
+  procs = start_processes(
+      lambda k, coordinator: [
+          sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}', f'--workdir={tmp_path}/host{k}',
+          *flags, f'--coordinator_address={coordinator}', '--num_processes=2', f'--process_id={k}'
+      ],
+      2,
+      cache=compile_cache)
+  for k, (code, out) in enumerate(finish_processes(procs)):
+    line = next((s for s in out.splitlines() if 'E-DIST-008' in s), out[-3000:])
+    assert code == 1 and line.startswith('jaxckpt: E-DIST-008: '), (k, code, out[-3000:])
+    assert all(seal in line for seal in seals), line
 
 
 if __name__ == '__main__':

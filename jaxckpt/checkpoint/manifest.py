@@ -183,6 +183,18 @@ def check_seal(raw: bytes, m: Mapping[str, Any]) -> str | None:
   return None
 
 
+def commit_label(path: Path) -> str:
+  """`path`'s name and its manifest's seal: two commits of one step (another history's, another
+  host's copy) share the name, not the seal. A manifest from before seals gives the CRC-32 of its
+  bytes; a path without one (a `.bin`) gives its name alone."""
+  try:
+    raw = (path / layout.MANIFEST).read_bytes()
+  except OSError:
+    return path.name
+  found = list(_SEAL_RE.finditer(raw))
+  return f'{path.name} ({SEAL} {found[-1].group(1).decode() if found else f"{crc32(raw):08x}"})'
+
+
 def audit(
     step_dir: Path,
     manifest: Mapping[str, Any] | None = None,

@@ -150,6 +150,20 @@ class Group:
 
 
 # ------------------------------------------------------------------------------- ownership
+def refuse_process_local(leaves: Mapping[str, Any]) -> None:
+  """E-DIST-011 for a jax.Array that lives on this process's devices alone (a SingleDeviceSharding
+  array, a pmap result): each process holds its own value under the one name, so each would
+  write its copy as the array's one shard and no restore could tell which is the array."""
+  for name, x in leaves.items():
+    if isinstance(x, jax.Array) and x.is_fully_addressable:
+      raise CheckpointError(
+          'E-DIST-011', f"{name} lives on process {jax.process_index()}'s devices alone "
+          f'({type(x.sharding).__name__}) in a save across {jax.process_count()} processes',
+          'give it a sharding over the whole job (a jit '
+          'out_shardings or jax.device_put with a NamedSharding of the global mesh), make it a '
+          'host value (np.asarray) every process has, or leave it out (save(exclude=...))')
+
+
 def _box(index, shape) -> Box:
   return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
 

@@ -28,6 +28,7 @@ hole between tensors is a one-line `E-CKPT-012` naming the file; nothing is read
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import functools
 import json
@@ -375,7 +376,7 @@ def _read_run(pool, fd, path, header_len, entries, run, crc, whole, expect, plac
   view = memoryview(buf)
   jobs = [(at, pool.submit(pread_into, fd, view[at:at + _CHUNK], lo + at))
           for at in range(0, len(view), _CHUNK)]
-  pending, done = list(run), 0
+  pending, done = collections.deque(run), 0  # a list's pop(0) is quadratic in tensors
   for at, job in jobs:
     got = job.result()
     done = at + got
@@ -383,7 +384,7 @@ def _read_run(pool, fd, path, header_len, entries, run, crc, whole, expect, plac
       crc = crc32(view[max(at, start - lo):min(done, stop - lo)], crc)
     ready = []
     while pending and header_len + entries[pending[0]]['data_offsets'][1] - lo <= done:
-      ready.append(pending.pop(0))
+      ready.append(pending.popleft())
     if ready:
       arrays = {}
       for name in ready:

@@ -10,7 +10,7 @@ from jaxckpt import provenance
 from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
 from jaxckpt.errors import UsageError
-from jaxckpt.export.offline import FORMATS, export_bin, export_checkpoint
+from jaxckpt.export.offline import FORMATS, check_out, export_bin, export_checkpoint
 
 
 def _parser():
@@ -74,6 +74,7 @@ def main(argv: list[str]) -> int:
   args = _parser().parse_args(argv)
   source = Path(args.source)
   model_cfg = _model_config_from_file(args.config) if args.config else None
+  check_out(args.format, Path(args.out))  # before a remote checkpoint is downloaded
   if source.suffix == '.bin':
     if model_cfg is None:
       raise UsageError('E-USAGE-003', f'{source} is a .bin, which holds no model config',

@@ -5,7 +5,9 @@
 
 It reads manifest.json and nothing else: no array is loaded and jax is not imported (so it answers
 in well under a second for any size of model). A manifest that does not match its own checksum is
-printed with a warning at its top and bottom; `jaxckpt verify` is what judges a checkpoint.
+printed with a warning at its top and bottom; `jaxckpt verify` is what judges a checkpoint. One
+that names a file outside its checkpoint (`../`) fails the seal even when re-sealed: it is printed
+with that warning, then E-CKPT-005, exit 1.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ from __future__ import annotations
 import json
 import math
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
 from jaxckpt import names
-from jaxckpt.checkpoint import discovery, manifest
+from jaxckpt.checkpoint import discovery, layout, manifest
 from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
-from jaxckpt.errors import UsageError
+from jaxckpt.errors import CheckpointError, UsageError
 
 _ITEMSIZE = {
     'bool': 1, 'int8': 1, 'uint8': 1, 'int16': 2, 'uint16': 2, 'float16': 2, 'bfloat16': 2,
@@ -35,7 +37,9 @@ def describe(step_dir: Path, m: Mapping[str, Any], raw: bytes | None = None) -> 
   absent (written before seals) or mismatch, with the problem in `warnings`)."""
   out = {'path': str(step_dir), **m}
   if raw is not None:
-    problem = manifest.check_seal(raw, m)
+    # A name outside the checkpoint fails the seal whatever its checksum says: a hostile writer
+    # can re-seal what it edited.
+    problem = manifest.check_seal(raw, m) or _outside(m)
     out['manifest_seal'] = 'mismatch' if problem else 'ok' if manifest.SEAL in m else 'absent'
     out['warnings'] = [problem] if problem else []
   params = m.get('parameters')
@@ -58,6 +62,15 @@ def describe(step_dir: Path, m: Mapping[str, Any], raw: bytes | None = None) -> 
     tensors.append({**t, 'trainable': flag})
   out['tensors'] = tensors
   return out
+
+
+def _outside(m: Mapping[str, Any]) -> str | None:
+  """A problem line when the manifest's files table names a file outside its checkpoint."""
+  for rel in m.get('files') or {}:
+    parts = PurePosixPath(rel).parts
+    if not parts or parts[0] == '/' or '..' in parts:
+      return f'{layout.MANIFEST}: names a file outside the checkpoint: {rel!r}'
+  return None
 
 
 # ------------------------------------------------------------------------------- inspect
@@ -199,6 +212,11 @@ def main(argv: list[str]) -> int:
     step_dir = discovery.checkpoint_dir(args.checkpoint)
     raw, m = discovery.read_manifest_bytes(step_dir)
     d = describe(step_dir, m, raw)
-  # Exit 0 even with a seal warning: inspect shows what a manifest says; verify judges it.
   print(json.dumps(d, indent=1) if args.json else render(d))
+  # Exit 0 even with a seal warning: inspect shows what a manifest says; verify judges it. A
+  # manifest pointing outside its checkpoint is no checkpoint: loading it would follow the path.
+  outside = _outside(d)
+  if outside:
+    raise CheckpointError('E-CKPT-005', f'{d["path"]}: {outside}',
+                          'the manifest is corrupt or hostile; do not load this checkpoint')
   return 0

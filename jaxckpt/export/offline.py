@@ -142,6 +142,7 @@ def export_checkpoint(step_dir: str | os.PathLike,
     optimizer: write optimizer.safetensors next to model.safetensors (safetensors only).
   """
   _check_format(fmt, FORMATS)
+  check_out(fmt, Path(out))
   ckpt = read_checkpoint(step_dir, model_cfg)
   source = {'source': str(Path(step_dir).resolve())}
   return _write(
@@ -168,6 +169,7 @@ def export_bin(bin_path: str | os.PathLike,
     ResumeError (E-BIN-001): the file's size is not 8 + 12n for `model_cfg`.
   """
   _check_format(fmt, ('safetensors', 'hf'))
+  check_out(fmt, Path(out))
   cfg = model_lib.as_model_config(model_cfg)
   step, params, m, v = flatbin.read_bin(bin_path, model_lib.param_shapes(cfg))
   source = {'source': str(Path(bin_path).resolve())}
@@ -192,6 +194,18 @@ def _write(fmt: str, out: Path, step: int, cfg, params, m, v, *, optimizer: bool
   if optimizer and m is not None:
     safetensors_io.write_optimizer(out / OPTIMIZER_FILE, m, v, metadata=meta)
   return out
+
+
+def check_out(fmt: str, out: Path) -> None:
+  """Before anything is read: an existing `out` of the other kind (a directory for a .bin, a
+  file for safetensors or hf) is refused, never replaced by the export."""
+  _check_format(fmt, FORMATS)
+  if fmt == 'bin' and out.is_dir():
+    raise UsageError('E-EXPORT-007', f'{out} is a directory; a bin export is one file',
+                     f'name the file to write, e.g. {out / "step_NNNNNN.bin"}')
+  if fmt != 'bin' and out.exists() and not out.is_dir():
+    raise UsageError('E-EXPORT-007', f'{out} is a file; a {fmt} export is a directory',
+                     'name a directory (an earlier export there is replaced)')
 
 
 def _check_format(fmt: str, allowed: tuple[str, ...]) -> None:
