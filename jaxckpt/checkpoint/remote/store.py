@@ -6,6 +6,23 @@
     gs://bucket/prefix     the `gcs` driver: application default credentials; STORAGE_EMULATOR_HOST
                            (or TENSORSTORE_GCS_HTTP_URL) points it at an emulator.
     /path, file:///path    the `file` driver: a mounted persistent disk or a shared filesystem.
+                           The path's parent must exist (a disk that is not mounted is refused,
+                           never replaced by directories on the boot disk); the path itself is
+                           created.
+
+Conditional writes on S3: tensorstore sends `If-None-Match`/`If-Match` on a PUT without a HEAD
+first only to amazonaws.com endpoints unless its spec's `use_conditional_write` is true;
+elsewhere it HEADs first, a race between two writers. jaxckpt sets it true for every S3 store, so
+the condition travels with the write itself; TENSORSTORE_S3_USE_CONDITIONAL_WRITE=false (the
+variable older tensorstore releases read) turns it off. S3 DELETE is never conditional in
+tensorstore (a HEAD, then an unconditional DELETE). Whether a store honours the conditions at
+all is checked by the trainer's access probe.
+
+GCS credentials: with STORAGE_EMULATOR_HOST set (or TENSORSTORE_GCS_HTTP_URL at an http:// URL)
+jaxckpt sets GOOGLE_AUTH_TOKEN_FOR_TESTING (unless set) to a placeholder token, so tensorstore
+does not look for application default credentials an emulator does not need. What tensorstore
+logs of the credentials it found (or did not) at a process's first GCS request is held back;
+a store that refuses the credentials is jaxckpt's one line (E-STORE-003).
 
 Keys are relative to the prefix. Every failure is a `StoreError` whose `kind` says what went
 wrong (a missing bucket, refused credentials, no permission, an endpoint that cannot be reached)
@@ -18,6 +35,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -27,6 +47,8 @@ SCHEMES = ('s3', 'gs', 'file')
 _URL = re.compile(r'^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://(?P<rest>.*)$')
 _RETRIES = {'max_retries': 3, 'initial_delay': '0.2s', 'max_delay': '2s'}
 _ABSENT = b'\x02'  # tensorstore's generation of a key that holds no value
+_AUTH_LOG = 'google_auth_provider.cc'  # where tensorstore says how it found GCS credentials
+_auth_said = threading.Lock()  # taken for good by the first GCS store of the process
 
 
 class StoreError(CheckpointError):
@@ -78,6 +100,8 @@ def _spec(scheme: str, bucket: str, prefix: str, retries: Mapping[str, Any]) -> 
     if emulator and not os.environ.get('TENSORSTORE_GCS_HTTP_URL'):
       os.environ['TENSORSTORE_GCS_HTTP_URL'] = (
           emulator if '://' in emulator else f'http://{emulator}')
+    if emulator or os.environ.get('TENSORSTORE_GCS_HTTP_URL', '').startswith('http://'):
+      os.environ.setdefault('GOOGLE_AUTH_TOKEN_FOR_TESTING', 'emulator')
     return {
         'driver': 'gcs', 'bucket': bucket, 'path': path,
         'context': {'gcs_request_retries': dict(retries)}
@@ -86,7 +110,8 @@ def _spec(scheme: str, bucket: str, prefix: str, retries: Mapping[str, Any]) -> 
   spec = {
       'driver': 's3', 'bucket': bucket, 'path': path,
       'aws_credentials': {'type': 'environment' if env.get('AWS_ACCESS_KEY_ID') else 'default'},
-      'context': {'s3_request_retries': dict(retries)}
+      'context': {'s3_request_retries': dict(retries)},
+      'use_conditional_write': _flag(env.get('TENSORSTORE_S3_USE_CONDITIONAL_WRITE'), True)
   }
   endpoint = env.get('AWS_ENDPOINT_URL_S3') or env.get('AWS_ENDPOINT_URL')
   region = env.get('AWS_REGION') or env.get('AWS_DEFAULT_REGION')
@@ -95,6 +120,13 @@ def _spec(scheme: str, bucket: str, prefix: str, retries: Mapping[str, Any]) -> 
   if region or endpoint:  # an S3-compatible server needs one to sign with; us-east-1 is the usual
     spec['aws_region'] = region or 'us-east-1'
   return spec
+
+
+def _flag(value: str | None, default: bool) -> bool:
+  """A boolean environment variable as absl parses one (true/false, 1/0, yes/no, t/f, y/n)."""
+  if value is None or not value.strip():
+    return default
+  return value.strip().lower() not in ('false', '0', 'no', 'f', 'n', 'off')
 
 
 def classify(message: str) -> str:
@@ -123,6 +155,29 @@ def classify(message: str) -> str:
   return 'failed'
 
 
+def _without_auth_lines(first_request) -> None:
+  """Runs a process's first GCS request with stderr held: tensorstore then logs how it found
+  credentials ('Using ...', or an ERROR that it found none and goes on without), a line before
+  jaxckpt's own; held lines other than those are passed on. Without credentials, GCS refuses
+  the requests and jaxckpt says so in its one line (E-STORE-003, naming the fix)."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as held:
+    os.dup2(held.fileno(), 2)
+    try:
+      first_request()
+    except Exception:  # noqa: BLE001 - the store's own requests say what is wrong
+      pass
+    finally:
+      sys.stderr.flush()
+      os.dup2(saved, 2)
+      os.close(saved)
+    held.seek(0)
+    kept = [line for line in held.read().splitlines(True) if _AUTH_LOG.encode() not in line]
+  if kept:
+    os.write(2, b''.join(kept))
+
+
 def _key_range(prefix: str):
   import tensorstore as ts
   if not prefix:
@@ -148,8 +203,15 @@ class Store:
     if self._kv is None:
       import tensorstore as ts
       if self.scheme == 'file':
-        Path(self._spec['path']).mkdir(parents=True, exist_ok=True)
-      self._kv = self._call('open', None, lambda: ts.KvStore.open(self._spec).result())
+        path = Path(self._spec['path'])
+        if not path.parent.is_dir():  # a disk not mounted: never a directory on the boot disk
+          raise StoreError('E-STORE-002', f'{path.parent} does not exist',
+                           'mount the disk it is on, or create that directory', 'missing_parent')
+        self._call('open', None, lambda: path.mkdir(exist_ok=True))
+      kv = self._call('open', None, lambda: ts.KvStore.open(self._spec).result())
+      if self.scheme == 'gs' and _auth_said.acquire(blocking=False):
+        _without_auth_lines(lambda: kv.read('.jaxckpt-probe-auth').result(timeout=10))
+      self._kv = kv
     return self._kv
 
   def join(self, *parts: str) -> str:
@@ -160,7 +222,7 @@ class Store:
     try:
       return fn()
     except (ValueError, RuntimeError, OSError) as e:
-      message = str(e)
+      message = str(e) or ('timed out' if isinstance(e, TimeoutError) else repr(e))
       where = self.join(key) if key else self.url
       raise StoreError('E-STORE-010', f'{op} {where} failed: {message.splitlines()[0][:300]}',
                        'check the store and the network; the operation is retried',
@@ -212,23 +274,56 @@ class Store:
     return sorted(k for k in (k.decode() for k in keys) if k.startswith(prefix))
 
   # Conditional operations: a generation is what the store says of an object's current version.
-  def read_generation(self, key: str) -> tuple[bytes | None, bytes]:
-    """(bytes or None, generation); the generation of an absent object makes `replace` a create."""
-    r = self._call('read', key, lambda: self.kv.read(key).result())
+  def read_generation(self,
+                      key: str,
+                      *,
+                      timeout: float | None = None) -> tuple[bytes | None, bytes]:
+    """(bytes or None, generation); the generation of an absent object makes `replace` a create.
+    `timeout`: seconds to wait for the answer (StoreError past it; the request may still land)."""
+    r = self._call('read', key, lambda: self.kv.read(key).result(timeout=timeout))
     return (r.value if r.state == 'value' else None), r.stamp.generation
 
-  def replace(self, key: str, data: bytes | None, generation: bytes) -> bytes | None:
+  def replace(self,
+              key: str,
+              data: bytes | None,
+              generation: bytes,
+              *,
+              timeout: float | None = None) -> bytes | None:
     """Writes (or deletes, with None) `key` only if it is still at `generation`; returns the new
-    generation, or None when someone else changed it first."""
+    generation, or None when someone else changed it first. `timeout` as for `read_generation`."""
     if generation != _ABSENT and not generation.strip(b'\x00'):
       # The server read the object without saying its version (the GCS emulator's downloads
       # carry no x-goog-generation): there is nothing to make the write conditional on.
       logging.warning('%s does not report object generations: writing %s unconditionally', self.url,
                       key)
       generation = None
-    stamp = self._call('write', key, lambda: self.kv.write(key, data, if_equal=generation).result())
+    stamp = self._call(
+        'write', key, lambda: self.kv.write(key, data, if_equal=generation).result(timeout=timeout))
     return stamp.generation or None  # an empty generation: the condition did not hold
 
   def create(self, key: str, data: bytes) -> bytes | None:
     """Writes `key` only if it does not exist; its generation, or None when it exists."""
     return self.replace(key, data, _ABSENT)
+
+  def ignored_condition(self, key: str) -> str | None:
+    """Whether the store honours conditional writes, tried on `key` (created, then deleted):
+    None if it does, else the write it let through that it should have refused (or the one it
+    refused that it should have let through)."""
+    first = self.create(key, b'jaxckpt condition probe 1\n')
+    if first is None:
+      return f'a create-only write of {key}, which did not exist, was refused'
+    try:
+      if self.create(key, b'jaxckpt condition probe 2\n') is not None:
+        return 'a second create-only write of one object went through'
+      if self.replace(key, b'jaxckpt condition probe 3\n', first) is None:
+        return 'a write at its own generation was refused'
+      if self.replace(key, b'jaxckpt condition probe 4\n', first) is not None:
+        return 'a write at a stale generation went through'
+      # The lease is taken at the generation a read reports: a read without one would make
+      # every such write unconditional (`replace`).
+      _, read = self.read_generation(key)
+      if read != _ABSENT and not read.strip(b'\x00'):
+        return 'a read reported no generation for an object that exists'
+      return None
+    finally:
+      self.delete(key)
