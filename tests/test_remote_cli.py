@@ -4,7 +4,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from conftest import assert_same_bytes, jaxckpt_cli
-from jaxckpt.checkpoint.remote import Store
+from jaxckpt.checkpoint.remote import Store, objects
 
 
 @pytest.fixture(scope='module')
@@ -50,7 +50,7 @@ def test_verify_reads_every_remote_byte(remote_run, s3_server):
   assert r.returncode == 0, r.stdout + r.stderr
   assert r.stdout.splitlines() == [f'OK {url}/checkpoints/step_{s:08d}' for s in (10, 20)]
   store = Store(url)
-  key = 'checkpoints/step_00000010/state/process_0.safetensors'
+  key = objects.object_key(store, 10, 'state/process_0.safetensors')
   data = bytearray(store.read(key))
   data[-5] ^= 0x10
   store.write(key, bytes(data))

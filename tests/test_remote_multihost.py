@@ -64,8 +64,11 @@ def _kill_when_uploaded(procs, store, at_least: int = 20) -> int:
   finish_processes(procs)
   at_kill = max(_remote_steps(store))
   assert at_kill < 60, 'the run finished before it could be killed'
-  keys = store.list(f'checkpoints/step_{at_kill:08d}/state/')
+  # Both parts under the one attempt process 0 named and committed.
+  keys = store.list(objects.object_key(store, at_kill, 'state/'))
   assert {k.rsplit('/', 1)[1].split('.')[0] for k in keys} == {'process_0', 'process_1'}
+  assert {k.split('/')[2] for k in store.list(f'checkpoints/step_{at_kill:08d}/')
+         } == {objects.REMOTE_META, keys[0].split('/')[2]}
   wait_for(lambda: store.read('LEASE') is None or _stale(store, 2))
   return at_kill
 

@@ -3,6 +3,7 @@ emulator, and a path. Uploads land manifest last; downloads are byte-identical a
 the lease admits one writer; the uploader survives a store that goes away."""
 
 import time
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +35,7 @@ def store(request, tmp_path):
     return Store(request.getfixturevalue('s3_server').bucket())
   if request.param == 'gs':
     return Store(request.getfixturevalue('gcs_server').bucket())
-  return Store(str(tmp_path / 'mounted' / 'run'))
+  return Store(str(tmp_path / 'run'))  # tmp_path: the mounted disk
 
 
 def test_upload_then_download_is_byte_identical(store, local_checkpoint, tmp_path):
@@ -140,3 +141,90 @@ def test_each_process_uploads_its_own_state_file_and_process_0_the_rest():
 def test_unknown_schemes_are_refused(url, kind):
   with pytest.raises(StoreError, match=kind):
     Store(url)
+
+
+def _copy(step_dir, tmp_path):
+  import shutil
+  root = tmp_path / 'copy' / 'checkpoints'
+  root.mkdir(parents=True)
+  return Path(shutil.copytree(step_dir, root / step_dir.name))
+
+
+@pytest.mark.parametrize('part_bytes', [64 << 20, 256 << 10], ids=['one-object', 'in-parts'])
+def test_a_rotted_local_copy_is_never_uploaded(s3_server, local_checkpoint, tmp_path, part_bytes):
+  from conftest import flip_a_data_byte, state_file
+  store = Store(s3_server.bucket())
+  good = local_checkpoint / layout.step_dirname(2)
+  objects.upload(store, good, {}, part_bytes=part_bytes)  # the remote copy is intact
+  rotted = _copy(good, tmp_path)
+  flip_a_data_byte(rotted)  # same size, one bit different: only its CRC-32 tells
+  with pytest.raises(
+      CheckpointError, match=f'E-STORE-013: {state_file(rotted)}: checksum mismatch'):
+    objects.upload(store, rotted, {}, part_bytes=part_bytes)
+  assert objects.latest_intact(store) == (2, [])  # the intact remote copy stays the commit
+  assert objects.holds(store, good)
+  got, _ = objects.download(store, 2, tmp_path / 'fresh')
+  assert state_file(got).read_bytes() == state_file(good).read_bytes()
+
+  events = []  # the uploader: an event naming the file, and no retry (it cannot get better)
+  uploader = Uploader(Store(s3_server.bucket()), on_event=lambda name, **f: events.append(f))
+  try:
+    uploader.submit(2, rotted)
+    assert not uploader.wait(2, timeout=30)
+  finally:
+    uploader.close()
+  assert [e['error'][:11] for e in events] == ['E-STORE-013']
+  assert not objects.committed(uploader.store)
+
+
+def _exports(tmp_path, sizes):
+  rng = np.random.default_rng(0)
+  local = tmp_path / 'exports'
+  for rel, size in sizes.items():
+    (local / rel).parent.mkdir(parents=True, exist_ok=True)
+    (local / rel).write_bytes(rng.bytes(size))
+  return local
+
+
+def test_a_large_export_goes_up_in_parts_and_comes_back_whole(store, local_checkpoint, tmp_path):
+  local = _exports(tmp_path, {'step_00000002/model.safetensors': 700_000, 'small.txt': 1000})
+  uploader = Uploader(store, part_bytes=256 << 10, mirror=(local, 'exports/'))
+  try:
+    uploader.submit(2, local_checkpoint / layout.step_dirname(2))
+    assert uploader.wait(2, timeout=60)
+  finally:
+    uploader.close()
+  keys = store.list('exports/')
+  big = 'exports/step_00000002/model.safetensors'
+  assert big not in keys and f'{big}.part-00002' in keys  # never one object over the part size
+  assert 'exports/small.txt' in keys
+  from jaxckpt.checkpoint.remote.mirror import download_file
+  for rel in ('step_00000002/model.safetensors', 'small.txt'):
+    assert download_file(store, 'exports/' + rel, tmp_path / 'got')
+    assert (tmp_path / 'got').read_bytes() == (local / rel).read_bytes()
+  part = bytearray(store.read(f'{big}.part-00001'))
+  part[7] ^= 1
+  store.write(f'{big}.part-00001', bytes(part))
+  with pytest.raises(CheckpointError, match='E-STORE-012.*checksum mismatch'):
+    download_file(store, big, tmp_path / 'got')
+
+
+def test_the_mirror_deletes_only_what_this_run_dropped(s3_server, local_checkpoint, tmp_path):
+  """A fresh machine (an empty exports/) keeps the exports of the machine before it; its own
+  export retention's deletions are mirrored."""
+  store = Store(s3_server.bucket())
+  earlier = {'exports/step_00000001/model.safetensors': b'from the machine before'}
+  store.write_many(earlier)
+  local = _exports(tmp_path, {'step_00000002/model.safetensors': 1000})
+  uploader = Uploader(store, mirror=(local, 'exports/'))
+  try:
+    uploader.submit(1, local_checkpoint / layout.step_dirname(1))
+    assert uploader.wait(1, timeout=60)
+    assert 'exports/step_00000002/model.safetensors' in store.list('exports/')
+    (local / 'step_00000002' / 'model.safetensors').unlink()  # this run's retention dropped it
+    uploader.submit(2, local_checkpoint / layout.step_dirname(2))
+    assert uploader.wait(2, timeout=60)
+  finally:
+    uploader.close()
+  assert store.list('exports/') == list(earlier)
+  assert store.read(next(iter(earlier))) == next(iter(earlier.values()))

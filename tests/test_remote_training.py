@@ -50,16 +50,25 @@ def test_a_fresh_machine_continues_from_the_remote_bit_exactly(trainer, straight
   url = request.getfixturevalue(server).bucket()
   store = Store(url)
   first_vm = tmp_path / 'vm1'
-  proc = trainer.start(first_vm, *RUN_FLAGS, f'--remote={url}', '--remote_lease_secs=2')
+  exports = ('--config.export.every=10', '--config.export.formats=safetensors',
+             '--config.export.keep=0')
+  # The GCS emulator ignores conditional writes: no lease can be held there.
+  lease = ('--remote_lease=off',) if server == 'gcs_server' else ('--remote_lease_secs=2',)
+  proc = trainer.start(first_vm, *RUN_FLAGS, *exports, f'--remote={url}', *lease)
   wait_for(lambda: any(e['step'] >= 20 for e in events_of(first_vm, 'uploaded')), proc)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   at_kill = max(_remote_steps(store))
   assert at_kill < STEPS, 'the run finished before it could be killed'
+  # The lost VM's exports of steps before the one the next resumes from: never exported again.
+  earlier = {k: store.read(k) for k in store.list('exports/') if _export_step(k) < at_kill}
+  assert earlier, store.list('exports/')
   shutil.rmtree(first_vm)  # the VM and its disk are gone
-  _wait_until_stale(store, 2)  # the replacement comes up after the lost VM's lease lapsed
+  if server == 's3_server':
+    _wait_until_stale(store, 2)  # the replacement comes up after the lost VM's lease lapsed
 
-  again = trainer.train(tmp_path / 'vm2', *RUN_FLAGS, f'--remote={url}')
+  off = lease if server == 'gcs_server' else ()
+  again = trainer.train(tmp_path / 'vm2', *RUN_FLAGS, *exports, f'--remote={url}', *off)
   assert again.returncode == 0, again.stderr
   fresh = tmp_path / 'vm2'
   assert [e['step'] for e in events_of(fresh, 'fetched')] == [at_kill]
@@ -72,9 +81,42 @@ def test_a_fresh_machine_continues_from_the_remote_bit_exactly(trainer, straight
   assert len(_remote_steps(store)) == 2  # remote retention follows --keep=2
   export = f'exports/step_{STEPS:08d}/model.safetensors'  # the exports went up too
   assert store.read(export) == (fresh / export).read_bytes()
+  assert {k: store.read(k) for k in earlier} == earlier  # and the lost VM's are still there
   status = read_status(fresh)
   assert (status['remote_step'], status['remote_lag_steps'], status['remote_error']) == (STEPS, 0,
                                                                                          None)
+
+
+def _export_step(key: str) -> int:
+  return int(key.split('/')[1][5:])
+
+
+def test_a_replayed_step_is_never_claimed_durable_before_it_is_uploaded(
+    trainer, s3_server, tmp_path):
+  """After --resume from an older checkpoint the remote's newer steps are another history's:
+  a stop with the store down says the step is committed locally only."""
+  url = s3_server.bucket()
+  workdir = tmp_path / 'run'
+  first = trainer.train(workdir, '--config.train.steps=300', '--checkpoint_every=100', '--keep=0',
+                        f'--remote={url}')
+  assert first.returncode == 0, first.stderr
+  assert _remote_steps(Store(url)) == [100, 200, 300]
+  proc = trainer.start(workdir, f'--resume={workdir}/checkpoints/step_00000100',
+                       '--config.train.steps=100000', '--checkpoint_every=100000', '--keep=0',
+                       '--config.train.log_every=5', f'--remote={url}', '--stop_grace_secs=3')
+  try:
+    wait_for(lambda: 105 <= read_status(workdir).get('step', 0) < 250, proc)
+    s3_server.stop()
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    s3_server.start()
+  assert proc.returncode == 128 + signal.SIGTERM, out
+  stopped = events_of(workdir, 'interrupted')[-1]['step']
+  assert 100 < stopped < 300, stopped  # a step the remote holds too, from the run before
+  assert f'step {stopped} is durable' not in out
+  assert f'jaxckpt: step {stopped} is committed locally only' in out, out[-3000:]
+  assert not events_of(workdir, 'remote_final')[-1]['durable']
 
 
 def test_a_store_that_goes_away_never_stops_training(trainer, s3_server, tmp_path):
@@ -166,7 +208,7 @@ def test_a_damaged_remote_checkpoint_is_passed_over_and_replaced(trainer, s3_ser
   flags = ('--checkpoint_every=10', '--keep=0', f'--remote={url}')
   first = trainer.train(tmp_path / 'vm1', '--config.train.steps=20', *flags)
   assert first.returncode == 0, first.stderr
-  key = 'checkpoints/step_00000020/state/process_0.safetensors'
+  key = objects.object_key(store, 20, 'state/process_0.safetensors')
   data = bytearray(store.read(key))
   data[len(data) // 2] ^= 1
   store.write(key, bytes(data))

@@ -1,30 +1,41 @@
 """Checkpoints in a remote store: their objects, how one is uploaded, found and downloaded.
 
     URL/checkpoints/step_<n>/
-      <file>                 each file of the local checkpoint up to `part_bytes` long...
-      <file>.part-<i>        ...longer ones in parts of `part_bytes` (written in parallel)
-      run/<name>             the run's records as of this step (loss history, events, ...)
-      remote.json            part size and the records' sizes and CRC-32s
-      manifest.json          the local manifest, byte for byte: WRITTEN LAST, after every other
-                             object is confirmed written. It is the remote commit marker.
+      a-<attempt>/<file>     each file of the local checkpoint up to `part_bytes` long...
+      a-<attempt>/<file>.part-<i>   ...longer ones in parts of `part_bytes` (written in parallel)
+      a-<attempt>/run/<name> the run's records as of this step (loss history, events, ...)
+      a-<attempt>/manifest.json     the local manifest, byte for byte
+      remote.json            THE COMMIT, written last: which attempt, its part size, the
+                             manifest's and the records' sizes and CRC-32s
 
-A remote checkpoint is complete exactly when its manifest exists, its seal holds and every object
-it implies is there; its bytes are checked against the manifest's CRC-32s as they are downloaded.
-Replacing or deleting one removes its manifest first, so it never looks complete while it changes.
+Every upload writes under its own attempt name (one per writer: a writer that lost the prefix
+writes only where nothing reads). A remote checkpoint is complete exactly when its `remote.json`
+names an attempt whose manifest, seal and every object are there; its bytes are checked against
+the manifest's CRC-32s as they are downloaded. `remote.json` is created only if absent, and
+replaced (a replay of the step) only if it is still the version read before the upload: one
+conditional swap, so the step never disappears while it changes; the old attempt is deleted
+after it. Checkpoints written before attempts (their files and manifest.json beside remote.json)
+are read as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import threading
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping
 
 from .. import atomic, discovery, layout, manifest
+from .bounds import meta_problems, read_manifest, read_prefix, start_read
+from .bounds import short as read_was_short
 from ..checksum import crc32, crc32_combine
 from ..errors import CheckpointError
+from .lease import LeaseError
 from .store import Store, StoreError
 
 CHECKPOINTS = 'checkpoints'
@@ -32,10 +43,40 @@ RECORDS = 'run'
 REMOTE_META = 'remote.json'
 PART_BYTES = 32 << 20
 PARALLEL = 8  # objects in flight: memory held is PARALLEL x PART_BYTES at most
+_ATTEMPT = re.compile(r'^a-[0-9a-f]{8,32}$')
+
+
+def _never(what: str) -> None:
+  """The default fence: writes are not checked (a store without a lease)."""
+
+
+class DamagedLocal(CheckpointError):
+  """A local file does not match its manifest (size or CRC-32) while it is uploaded: it is never
+  committed remotely. Retrying cannot help; the remote copy, if any, is the one to trust."""
+
+
+class Conflict(LeaseError):
+  """A step's commit changed under its writer: another writes to the prefix (E-STORE-007)."""
+
+
+def new_attempt() -> str:
+  return f'a-{uuid.uuid4().hex[:16]}'
 
 
 def step_prefix(step: int) -> str:
   return f'{CHECKPOINTS}/{layout.step_dirname(step)}/'
+
+
+def data_prefix(step: int, meta: Mapping[str, Any] | None) -> str:
+  """Where the objects of a step's commit (`remote.json`, as read) are: its attempt's folder, or
+  the step's own for a checkpoint written before attempts."""
+  attempt = (meta or {}).get('attempt')
+  return step_prefix(step) + (f'{attempt}/' if attempt else '')
+
+
+def object_key(store: Store, step: int, rel: str) -> str:
+  """The key of file `rel` (or `run/<name>`, a record) of remote step `step` as committed."""
+  return data_prefix(step, _read_meta(store, step)[0]) + rel
 
 
 def part_keys(rel: str, size: int, part_bytes: int) -> list[tuple[str, int, int]]:
@@ -73,85 +114,180 @@ def _settle(item, finish, error):
   return error
 
 
-def upload(store: Store,
-           step_dir: Path,
-           records: Mapping[str, bytes],
-           *,
-           files: Callable[[list[str]], Collection[str]] | None = None,
-           commit: bool = True,
-           may_commit: Callable[[], None] = lambda: None,
-           part_bytes: int = PART_BYTES,
-           parallel: int = PARALLEL) -> tuple[int, dict[str, Any]]:
-  """Copies the committed checkpoint `step_dir` and `records` ({name: bytes}) to `store`; returns
-  (the bytes sent, its manifest). The manifest goes last, after `may_commit()` (which raises to
-  refuse: a lost lease, a part that is not there yet). Every file is opened before the first
-  byte is sent, so local retention deleting the checkpoint meanwhile cannot cut an upload short.
-
-  Across processes each sends the `files(manifest's files)` that are its own, and only process 0
-  `commit`s: the records, `remote.json` and the manifest, once every other part is there."""
-  raw, m = discovery.read_manifest_bytes(step_dir)
-  step = m['step']
-  sending = {
-      rel: m['files'][rel]
-      for rel in (list(m['files']) if files is None else files(list(m['files'])))
-  }
-  prefix = step_prefix(step)
-  handles = {rel: open(layout.safe_member(step_dir, rel), 'rb') for rel in sending}
+def _read_meta(store: Store, step: int) -> tuple[dict[str, Any] | None, bytes]:
+  """(the step's `remote.json`, or None when absent or not ours; its generation)."""
+  raw, generation = store.read_generation(step_prefix(step) + REMOTE_META)
   try:
-    store.delete(prefix + layout.MANIFEST)  # replacing one: uncommit it first
-    sent = 0
+    meta = json.loads(raw) if raw else None
+  except ValueError:
+    meta = None
+  if not isinstance(meta, dict) or (meta.get('attempt') is not None
+                                    and not _ATTEMPT.match(str(meta['attempt']))):
+    meta = None  # a name from the bucket that is not one of ours is never a path to follow
+  return meta, generation
+
+
+def _send(store: Store, data: str, step_dir: Path, sending: Mapping[str, Mapping[str, Any]],
+          part_bytes: int, parallel: int, may_write: Callable[[str], None]) -> int:
+  """Sends each file of `sending` under `data`, CRC-checking its bytes as they are read: a file
+  whose CRC-32 is not its manifest's raises `DamagedLocal` (one up to `part_bytes` long before
+  it is sent; a longer one before the commit, which never comes)."""
+  # Every handle is closed whatever fails, the opening of a later file too (local retention
+  # removed it): the uploader retries, and each retry would otherwise keep the earlier ones.
+  with contextlib.ExitStack() as opened:
+    handles = {
+        rel: opened.enter_context(open(layout.safe_member(step_dir, rel), 'rb')) for rel in sending
+    }
+    crcs: dict[str, dict[int, tuple[int, int]]] = {rel: {} for rel in sending}
     tasks = []
     for rel, want in sending.items():
-      for key, start, stop in part_keys(rel, want['size'], part_bytes):
-        tasks.append(_put_part(store, prefix + key, handles[rel], start, stop))
-        sent += stop - start
+      keys = part_keys(rel, want['size'], part_bytes)
+      for key, start, stop in keys:
+        check = want['crc32'] if len(keys) == 1 else None
+        tasks.append(
+            _put_part(store, data + key, handles[rel], start, stop, crcs[rel], check, may_write))
     _run_bounded(tasks, lambda item: store.finish('write', *item), parallel)
-  finally:
-    for f in handles.values():
-      f.close()
-  if not commit:
-    return sent, m
-  meta = {
-      'format': 'jaxckpt.remote', 'part_bytes': part_bytes,
-      'records': {n: {'size': len(b), 'crc32': f'{crc32(b):08x}'} for n, b in records.items()}
-  }
-  store.write_many({
-      **{f'{prefix}{RECORDS}/{n}': b for n, b in records.items()},
-      prefix + REMOTE_META: json.dumps(meta, indent=1).encode()
-  })
-  may_commit()
-  store.write(prefix + layout.MANIFEST, raw)
-  return sent + sum(len(b) for b in records.values()) + len(raw), m
+  for rel, want in sending.items():
+    _check_crc(str(step_dir / rel), crcs[rel], want['crc32'])
+  return sum(w['size'] for w in sending.values())
 
 
-def _put_part(store: Store, key: str, f, start: int, stop: int):
+def _check_crc(name: str, crcs: Mapping[int, tuple[int, int]], want: str) -> None:
+  crc = 0
+  for start in sorted(crcs):
+    crc = crc32_combine(crc, *crcs[start])  # from crc32(b'') == 0
+  if f'{crc:08x}' != want:
+    raise DamagedLocal('E-STORE-013',
+                       f'{name}: checksum mismatch (crc32 {crc:08x}, manifest says {want})',
+                       'the local checkpoint is damaged; it is not uploaded')
+
+
+def _put_part(store: Store, key: str, f, start: int, stop: int, crcs: dict, check: str | None,
+              may_write: Callable[[str], None]):
 
   def task():
     data = os.pread(f.fileno(), stop - start, start)
     if len(data) != stop - start:
-      raise CheckpointError('E-STORE-013', f'{f.name} is shorter than its manifest says',
-                            'the local checkpoint is damaged; it is not uploaded')
+      raise DamagedLocal('E-STORE-013', f'{f.name} is shorter than its manifest says',
+                         'the local checkpoint is damaged; it is not uploaded')
+    crcs[start] = (crc32(data), stop - start)
+    if check is not None:  # the whole file: checked before a byte of it leaves
+      _check_crc(f.name, crcs, check)
+    may_write(store.join(key))
     return key, store.start_write(key, data)
 
   return task
 
 
+def holds(store: Store, step_dir: Path) -> bool:
+  """Whether the remote holds the committed checkpoint `step_dir` as it is (the same manifest,
+  every object there): a checkpoint downloaded from it, or uploaded before."""
+  raw, m = discovery.read_manifest_bytes(step_dir)
+  got, _, _, problems = inspect(store, m['step'])
+  return got == raw and not problems
+
+
+def upload(store: Store,
+           step_dir: Path,
+           records: Mapping[str, bytes],
+           *,
+           attempt: str | None = None,
+           files: Callable[[list[str]], Collection[str]] | None = None,
+           commit: bool = True,
+           may_write: Callable[[str], None] = _never,
+           may_commit: Callable[[], None] = lambda: None,
+           may_delete: Callable[[str], None] = _never,
+           part_bytes: int = PART_BYTES,
+           parallel: int = PARALLEL) -> tuple[int, dict[str, Any]]:
+  """Copies the committed checkpoint `step_dir` and `records` ({name: bytes}) to `store` under
+  `attempt` (a fresh name when None); returns (the bytes sent, its manifest). Every file is
+  opened before the first byte is sent, so local retention deleting the checkpoint meanwhile
+  cannot cut an upload short. `may_write(what)` is called before each object is written,
+  `may_commit()` before the commit, `may_delete(what)` before the old attempt of a replaced
+  step is deleted; each raises to refuse (a lease that is not fresh, a part not there yet).
+
+  Across processes each sends the `files(manifest's files)` that are its own, under the one
+  attempt process 0 names, and only process 0 `commit`s: the records, the manifest and, once
+  every other part is there, `remote.json`. A step committed by another writer meanwhile raises
+  `Conflict` E-STORE-007."""
+  raw, m = discovery.read_manifest_bytes(step_dir)
+  step, attempt = m['step'], attempt or new_attempt()
+  prefix = step_prefix(step)
+  data = f'{prefix}{attempt}/'
+  before, generation = _read_meta(store, step) if commit else (None, b'')
+  sending = {
+      rel: m['files'][rel]
+      for rel in (list(m['files']) if files is None else files(list(m['files'])))
+  }
+  sent = _send(store, data, step_dir, sending, part_bytes, parallel, may_write)
+  if not commit:
+    return sent, m
+  meta = {
+      'format': 'jaxckpt.remote', 'format_version': 2, 'attempt': attempt, 'part_bytes': part_bytes,
+      'manifest': {'size': len(raw), 'crc32': f'{crc32(raw):08x}'},
+      'records': {n: {'size': len(b), 'crc32': f'{crc32(b):08x}'} for n, b in records.items()}
+  }
+  for key in [f'{data}{RECORDS}/{n}' for n in records] + [data + layout.MANIFEST]:
+    may_write(store.join(key))
+  store.write_many(
+      {**{f'{data}{RECORDS}/{n}': b for n, b in records.items()}, data + layout.MANIFEST: raw})
+  may_commit()
+  body = json.dumps(meta, indent=1).encode()
+  if store.replace(prefix + REMOTE_META, body, generation) is None:
+    now, _ = _read_meta(store, step)
+    if (now or {}).get('attempt') != attempt or now.get('manifest') != meta['manifest']:
+      raise Conflict(
+          'E-STORE-007', f'{store.join(prefix + REMOTE_META)} was changed by another writer '
+          'while this one uploaded the step', 'one trainer per --remote prefix: this run no '
+          'longer writes there')
+    # else: our own write, whose answer was lost and retried
+  old = (before or {}).get('attempt')
+  if before is not None and old != attempt:
+    may_delete(store.join(prefix))
+    now, _ = _read_meta(store, step)  # after the lease check: another holder may have committed
+    if (now or {}).get('attempt') == attempt:
+      store.delete_many(stale(store, step, [k[len(prefix):] for k in store.list(prefix)], now))
+  return sent + sum(len(b) for b in records.values()) + len(raw), m
+
+
+def stale(store: Store, step: int, keys: list[str], meta: Mapping[str, Any] | None) -> list[str]:
+  """The keys (full) under committed step `step` that its commit `meta` does not name: other
+  attempts (abandoned, a stale writer's, the one a replay replaced) and, once the step has an
+  attempt, the objects of the commit it replaced from before attempts."""
+  attempt = (meta or {}).get('attempt')
+  out = []
+  for key in keys:
+    first = key.split('/', 1)[0]
+    if key == REMOTE_META or (attempt and first == attempt):
+      continue
+    if _ATTEMPT.match(first) or attempt:
+      out.append(step_prefix(step) + key)
+  # The old format's manifest first: its step must never look complete while it goes.
+  return sorted(out, key=lambda k: not k.endswith('/' + layout.MANIFEST))
+
+
 def steps(store: Store) -> tuple[dict[int, list[str]], list[int]]:
   """From one listing: ({step: its object keys, relative to its prefix} of every step prefix
-  that holds a manifest, ascending; the steps whose prefix holds objects but no manifest, which
-  are uploads in progress or abandoned)."""
+  that holds a commit (`remote.json` beside an attempt, or a manifest from before attempts),
+  ascending; the steps whose prefix holds objects but no commit, which are uploads in progress
+  or abandoned). `inspect` says whether a commit is complete."""
   by_step: dict[int, list[str]] = {}
   for key in store.list(CHECKPOINTS + '/'):
     parts = key.split('/', 2)
     step = layout.parse_step(parts[1]) if len(parts) == 3 else None
     if step is not None:
       by_step.setdefault(step, []).append(parts[2])
-  done = {s: keys for s, keys in sorted(by_step.items()) if layout.MANIFEST in keys}
+  done = {s: keys for s, keys in sorted(by_step.items()) if _committed(keys)}
   return done, sorted(set(by_step) - set(done))
 
 
+def _committed(keys: list[str]) -> bool:
+  return layout.MANIFEST in keys or (REMOTE_META in keys
+                                     and any(_ATTEMPT.match(k.split('/', 1)[0]) for k in keys))
+
+
 def committed(store: Store) -> dict[int, list[str]]:
-  """{step: its object keys} of every step prefix that holds a manifest, ascending."""
+  """{step: its object keys} of every step prefix that holds a commit, ascending."""
   return steps(store)[0]
 
 
@@ -160,31 +296,38 @@ def inspect(
     step: int,
     keys: list[str] | None = None
 ) -> tuple[bytes | None, dict[str, Any] | None, dict[str, Any] | None, list[str]]:
-  """(manifest bytes, manifest, remote.json, problems) of a remote checkpoint, from its manifest
+  """(manifest bytes, manifest, remote.json, problems) of a remote checkpoint, from its commit
   and the object listing (no data is read)."""
   prefix = step_prefix(step)
   where = store.join(prefix.rstrip('/'))
   if keys is None:
     keys = [k[len(prefix):] for k in store.list(prefix)]
-  raw = store.read(prefix + layout.MANIFEST)
+  meta, _ = _read_meta(store, step)
+  data = data_prefix(step, meta)
+  raw = read_manifest(store, data + layout.MANIFEST, meta)  # no more than it says
   if raw is None:
     return None, None, None, ['manifest.json: missing: not a committed checkpoint']
   try:
     m = manifest.parse(Path(where), raw)
-    meta = json.loads(store.read(prefix + REMOTE_META) or b'null')
-  except (CheckpointError, ValueError) as e:
+  except CheckpointError as e:
     return raw, None, None, [str(e)]
   problems = [p for p in (manifest.check_seal(raw, m),) if p]
-  if not isinstance(meta, dict) or 'part_bytes' not in meta:
+  if meta is None or 'part_bytes' not in meta:
     return raw, m, None, problems + [f'{REMOTE_META}: missing or malformed']
-  present = set(keys)
+  if untrusted := meta_problems(meta, m, len(keys)):  # names and sizes from the bucket
+    return raw, m, meta, problems + untrusted
+  said = meta.get('manifest')
+  if said is not None and said != {'size': len(raw), 'crc32': f'{crc32(raw):08x}'}:
+    problems.append(f'{meta["attempt"]}/manifest.json: does not match {REMOTE_META}')
+  inner = data[len(prefix):]
+  present = {k[len(inner):] for k in keys if k.startswith(inner)}
   for rel, want in m['files'].items():
     for key, _, _ in part_keys(rel, want['size'], meta['part_bytes']):
       if key not in present:
-        problems.append(f'{key}: missing')
+        problems.append(f'{inner}{key}: missing')
   for name in meta.get('records', {}):
     if f'{RECORDS}/{name}' not in present:
-      problems.append(f'{RECORDS}/{name}: missing')
+      problems.append(f'{inner}{RECORDS}/{name}: missing')
   return raw, m, meta, problems
 
 
@@ -199,10 +342,12 @@ def latest_intact(store: Store) -> tuple[int | None, list[tuple[int, str]]]:
   return None, skipped
 
 
-def delete(store: Store, step: int) -> None:
-  """Removes a remote checkpoint: its manifest first, so it never looks complete while going."""
+def delete(store: Store, step: int, may_delete: Callable[[str], None] = _never) -> None:
+  """Removes a remote checkpoint: its commit first, so it never looks complete while going."""
   prefix = step_prefix(step)
-  store.delete(prefix + layout.MANIFEST)
+  may_delete(store.join(prefix))
+  store.delete(prefix + REMOTE_META)
+  store.delete(prefix + layout.MANIFEST)  # a checkpoint from before attempts
   store.delete_many([prefix + k for k in (key[len(prefix):] for key in store.list(prefix))])
 
 
@@ -223,45 +368,26 @@ def download(
   if problems:
     raise CheckpointError('E-STORE-012', f'{where} is not intact: {problems[0]}',
                           'take an older remote checkpoint')
-  prefix, part_bytes = step_prefix(step), meta['part_bytes']
+  prefix, part_bytes = data_prefix(step, meta), meta['part_bytes']
   tmp = layout.temporary_dir(ckpt_root, step)
   total = sum(w['size'] for w in m['files'].values())
   done, lock = [0], threading.Lock()
+
+  def progressed(n: int) -> None:
+    with lock:
+      done[0] += n
+      progress(done[0], total)
+
   try:
     tmp.mkdir(parents=True)
     for rel, want in m['files'].items():
       path = layout.safe_member(tmp, rel)
       path.parent.mkdir(parents=True, exist_ok=True)
-      crcs: dict[int, tuple[int, int]] = {}
-      with open(path, 'wb') as f:
-        f.truncate(want['size'])
-
-        def finish(item, f=f, crcs=crcs):
-          key, start, stop, future = item
-          data = store.finish('read', key, future)
-          if data.state != 'value' or len(data.value) != stop - start:
-            raise CheckpointError('E-STORE-012', f'{store.join(prefix + key)}: missing or '
-                                  'the wrong size', 'take an older remote checkpoint')
-          os.pwrite(f.fileno(), data.value, start)
-          crcs[start] = (crc32(data.value), stop - start)
-          with lock:
-            done[0] += stop - start
-            progress(done[0], total)
-
-        tasks = [(lambda k=k, a=a, b=b: (k, a, b, store.start_read(prefix + k)))
-                 for k, a, b in part_keys(rel, want['size'], part_bytes)]
-        _run_bounded(tasks, finish, parallel)
-        os.fsync(f.fileno())
-      crc = 0
-      for start in sorted(crcs):
-        crc = crc32_combine(crc, *crcs[start])  # from crc32(b'') == 0
-      if f'{crc:08x}' != want['crc32']:
-        raise CheckpointError(
-            'E-STORE-012', f'{store.join(prefix + rel)}: checksum mismatch (crc32 {crc:08x}, '
-            f'manifest says {want["crc32"]})', 'take an older remote checkpoint')
+      _fetch_file(store, prefix, rel, want, part_bytes, path, parallel, progressed,
+                  f'{where}/{rel}', 'take an older remote checkpoint')
     records = {}
     for name, want in meta.get('records', {}).items():
-      data = store.read(f'{prefix}{RECORDS}/{name}') or b''
+      data = read_prefix(store, f'{prefix}{RECORDS}/{name}', want['size']) or b''
       if len(data) != want['size'] or f'{crc32(data):08x}' != want['crc32']:
         raise CheckpointError(
             'E-STORE-012', f'{store.join(prefix + RECORDS, name)}: does not '
@@ -280,6 +406,41 @@ def download(
   return final, records
 
 
+def _fetch_file(store: Store, prefix: str, rel: str, want: Mapping[str, Any], part_bytes: int,
+                path: Path, parallel: int, progressed: Callable[[int],
+                                                                None], name: str, fix: str) -> None:
+  """Reads the objects of file `rel` under `prefix` into `path` (fsynced), its CRC-32 checked
+  against `want`; E-STORE-012 when an object is missing, the wrong size or the CRC differs."""
+  crcs: dict[int, tuple[int, int]] = {}
+  with open(path, 'wb') as f:
+    f.truncate(want['size'])
+
+    def finish(item):
+      key, start, stop, future = item
+      try:
+        data = store.finish('read', key, future)
+      except StoreError as e:  # shorter than the range read
+        if not read_was_short(e):
+          raise
+        data = None
+      if data is None or data.state != 'value' or len(data.value) != stop - start:
+        raise CheckpointError('E-STORE-012', f'{store.join(prefix + key)}: missing or '
+                              'the wrong size', fix)
+      os.pwrite(f.fileno(), data.value, start)
+      crcs[start] = (crc32(data.value), stop - start)
+      progressed(stop - start)
+
+    tasks = [(lambda k=k, a=a, b=b: (k, a, b, start_read(store, prefix + k, b - a)))
+             for k, a, b in part_keys(rel, want['size'], part_bytes)]
+    _run_bounded(tasks, finish, parallel)
+    os.fsync(f.fileno())
+  try:
+    _check_crc(name, crcs, want['crc32'])
+  except DamagedLocal as e:
+    raise CheckpointError('E-STORE-012', e.what, fix) from None
+
+
 __all__ = [
-    'StoreError', 'committed', 'delete', 'download', 'inspect', 'latest_intact', 'steps', 'upload'
+    'Conflict', 'DamagedLocal', 'StoreError', 'committed', 'delete', 'download', 'holds', 'inspect',
+    'latest_intact', 'object_key', 'stale', 'steps', 'upload'
 ]

@@ -3,7 +3,9 @@
 Each process uploads the state file it wrote (`state/process_<k>.safetensors`), from its own disk
 or the shared one, and says so in the job's key-value store; process 0 uploads everything else
 (the run state, the records) and writes the manifest, the remote commit, only once every other
-process has said its part of that step is there. A process whose upload fails says why, and
+process has said its part of that step is there. Every process writes under the one attempt name
+process 0 chose (`name_attempt`, `attempt`): the parts of a job that lost the prefix land where
+no commit of the job that holds it points. A process whose upload fails says why, and
 tries again; process 0 goes on waiting, unless a newer checkpoint is due first (`Superseded`).
 When process 0 loses the lease, its word stops every process's uploads (`stop`).
 """
@@ -15,10 +17,12 @@ import time
 from typing import Callable, Iterable
 
 from .. import layout
+from ..errors import CheckpointError
 
 # `statefile.file_name(k)` (statefile itself imports numpy, which `jaxckpt inspect` never needs)
 _PART = re.compile(rf'^{layout.STATE_DIR}/process_(\d+)\.safetensors$')
 OK = 'ok'
+ATTEMPT_WAIT_SECS = 30.0  # a process other than 0 waits this long for the attempt's name, a try
 
 
 class Superseded(Exception):
@@ -46,6 +50,20 @@ class Parts:
       if owner == self.index or (self.leader and owner >= self.count):
         out.append(rel)
     return out
+
+  def name_attempt(self, attempt: str) -> None:
+    """Process 0: the attempt name every process of this job uploads under."""
+    self._client.key_value_set(f'{self._prefix}/attempt', attempt, allow_overwrite=True)
+
+  def attempt(self, timeout: float = ATTEMPT_WAIT_SECS) -> str:
+    """Process 0's attempt name; E-DIST-002 when it gave none within `timeout` (retried)."""
+    try:
+      return self._client.blocking_key_value_get(f'{self._prefix}/attempt', int(timeout * 1000))
+    except Exception as e:  # pylint: disable=broad-except  # the runtime's own error types
+      raise CheckpointError(
+          'E-DIST-002', f'no upload attempt name from process 0 within {timeout:g} s '
+          f'({" ".join(str(e).split())[:160]})', 'process 0 is not uploading; nothing of this '
+          'process is written until it is') from None
 
   def said(self, step: int, word: str) -> None:
     """This process's word on its part of `step`: `OK` (it is there), or why not (yet)."""

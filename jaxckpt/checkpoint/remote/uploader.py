@@ -1,14 +1,18 @@
 """The background uploader: committed local checkpoints become durable in a remote store.
 
-One thread copies the newest submitted checkpoint (`objects.upload`: data first, manifest last),
-then applies the retention rules remotely, deleting only steps older than the new remote commit.
+One thread copies the newest submitted checkpoint (`objects.upload`: data first under this run's
+attempt name, the commit last), then applies the retention rules remotely, deleting only steps
+older than the new remote commit. Every write is fenced by the lease: none unless it is fresh
+(`Lease.writable`), and none of a commit or a delete without renewing it first (`Lease.renewed`).
 The training loop never waits for it. When the store is down, slow or failing, uploads are
 retried with backoff (1 s doubling to 30 s); checkpoints submitted meanwhile replace the pending
 one, so when the store is back the newest local checkpoint is the one uploaded. A lost lease
-stops all remote writes for good.
+stops all remote writes for good. A local checkpoint that fails its CRC-32s as it is read is
+never committed, and not retried (`objects.DamagedLocal`, E-STORE-013).
 
 Across processes (`parts`) every process runs one: each uploads its own part of each checkpoint
-and process 0 commits it once all are there (`jaxckpt.checkpoint.remote.parts`).
+under the one attempt name process 0 chose, and process 0 commits it once all are there
+(`jaxckpt.checkpoint.remote.parts`).
 """
 
 from __future__ import annotations
@@ -19,10 +23,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..atomic import TMP_MARK
 from ..errors import CheckpointError
-from ..policy import RetentionPolicy
-from .objects import PART_BYTES, delete, inspect, step_prefix, steps, upload
+from ..policy import RetentionPolicy, manifest_fields, pins
+from .mirror import Mirror
+from .objects import (PART_BYTES, DamagedLocal, delete, holds, inspect, new_attempt, stale,
+                      step_prefix, steps, upload)
 from .parts import OK, Parts, Superseded
 from .lease import Lease, LeaseError
 from .store import Store
@@ -35,9 +40,11 @@ class Uploader:
   """Uploads committed checkpoints to `store` on its own thread.
 
   `on_event(name, **fields)` hears `uploaded`, `upload_failed`, `remote_retention` and
-  `lease_lost` (called on the uploader's thread). `remote_step` is the newest step known to be
-  committed remotely (`start_step` at first: what the store held when the run started); on a
-  process other than 0 (`parts`), the newest step whose part from this process is uploaded.
+  `lease_lost` (called on the uploader's thread). `remote_step` is the newest step this
+  uploader made durable: committed remotely, or found there as it is (`objects.holds`: the
+  checkpoint the run was downloaded from). Never what the store held when the run started: a
+  replay's steps are not durable until they are uploaded. On a process other than 0 (`parts`),
+  the newest step whose part from this process is uploaded.
   """
 
   def __init__(self,
@@ -46,7 +53,6 @@ class Uploader:
                retention: RetentionPolicy = RetentionPolicy(),
                lease: Lease | None = None,
                on_event: Callable[..., None] = lambda name, **fields: None,
-               start_step: int | None = None,
                best_metric: str = 'heldout_loss',
                warn_every_secs: float = 60.0,
                part_bytes: int = PART_BYTES,
@@ -54,15 +60,27 @@ class Uploader:
                parts: Parts | None = None):
     self.store, self.retention, self.lease = store, retention, lease
     self._parts = parts
+    # Process 0 names the attempt every process of the job writes under; the others learn it.
+    self.attempt = new_attempt() if parts is None or parts.leader else None
+    if parts is not None and parts.leader:
+      parts.name_attempt(self.attempt)
     # (local directory, key prefix) kept equal after each commit: the exports.
-    self._mirror, self._mirrored = mirror, {}
+    self._mirror = None if mirror is None else Mirror(
+        store,
+        *mirror,
+        part_bytes=part_bytes,
+        may_write=self._may_write,
+        may_delete=self._may_delete)
     self._on_event, self._best_metric = on_event, best_metric
     self._part_bytes, self._warn_every = part_bytes, warn_every_secs
-    self.remote_step = start_step
+    self.remote_step: int | None = None
+    self._stop_asked = -float('inf')
     self.error: str | None = None
     self._pending: tuple[int, Path, Records] | None = None
     self._busy_step: int | None = None
-    self._metrics: dict[int, float | None] = {}
+    self._epoch = 0  # one more at each replay: an upload of an earlier one is not durable now
+    self._fields: dict[int, dict[str, Any] | None] = {}  # `manifest_fields` of remote steps
+    self._metas: dict[int, dict[str, Any] | None] = {}  # their remote.json: which attempt
     self._closed = False
     self._dead = False  # the lease was lost: nothing is written any more
     self._last_warning = -float('inf')
@@ -72,10 +90,16 @@ class Uploader:
 
   def submit(self, step: int, step_dir: Path, records: Records | None = None) -> None:
     """Queues the committed checkpoint `step_dir` (it replaces one still waiting). `records` are
-    {name: bytes, or a function returning them when the upload runs} uploaded beside it."""
+    {name: bytes, or a function returning them when the upload runs} uploaded beside it. A step
+    older than one made durable or queued before (a replay) starts `remote_step` over."""
     with self._cv:
       if self._dead:
         return
+      known = (self.remote_step, self._busy_step, self._pending and self._pending[0])
+      if any(k is not None and k > step for k in known):
+        # A replay (the run went back to an older checkpoint): what it made durable or is
+        # sending is another history's future, and says nothing of this one's steps.
+        self._epoch, self.remote_step, self._pending = self._epoch + 1, None, None
       if self._pending is None or step >= self._pending[0]:
         self._pending = (step, Path(step_dir), dict(records or {}))
       self._cv.notify_all()
@@ -120,77 +144,123 @@ class Uploader:
         if self._closed:
           return
         step, step_dir, records = self._pending
-        self._pending, self._busy_step = None, step
+        self._pending, self._busy_step, epoch = None, step, self._epoch
       try:
-        self._upload(step, step_dir, records)
+        self._upload(step, step_dir, records, epoch)
         backoff = _BACKOFF[0]
       except LeaseError as e:
-        self._fail(step, e, fatal=True)
-        return
+        if e.lost:  # to another writer (or a commit changed under it): for good
+          self._fail(step, e, fatal=True)
+          return
+        self._retry(step, step_dir, records, e, backoff, epoch)  # not renewed: it may be yet
+        backoff = min(backoff * 2, _BACKOFF[1])
+      except DamagedLocal as e:  # the local copy will not get better: never retried
+        self._fail(step, e)
       except Superseded as e:  # a newer checkpoint is due: the next round uploads it
         logging.info('step %d is not committed remotely (%s); a newer one is due', step, e)
       except Exception as e:  # noqa: BLE001 - a store error of any kind: retried
-        self._fail(step, e)
-        with self._cv:
-          if self._pending is None or self._pending[0] < step:
-            self._pending = (step, step_dir, records)  # retry it, unless a newer one came
-          self._cv.wait(timeout=backoff)
+        self._retry(step, step_dir, records, e, backoff, epoch)
         backoff = min(backoff * 2, _BACKOFF[1])
       finally:
         with self._cv:
           self._busy_step = None
           self._cv.notify_all()
 
+  def _retry(self, step: int, step_dir: Path, records: Records, e: Exception, backoff: float,
+             epoch: int) -> None:
+    self._fail(step, e)
+    with self._cv:
+      if epoch == self._epoch and (self._pending is None or self._pending[0] < step):
+        self._pending = (step, step_dir, records)  # retry it, unless a newer one came
+      self._cv.wait(timeout=backoff)
+
   def _newer(self, step: int) -> bool:
     with self._cv:
       return self._pending is not None and self._pending[0] > step
 
+  def _may_write(self, what: str) -> None:
+    """Before each write: the lease is fresh; on another process, process 0 has not stopped the
+    uploads (asked at most once a second)."""
+    if self.lease is not None:
+      self.lease.writable(what)
+    parts = self._parts
+    if parts is not None and not parts.leader and time.monotonic() - self._stop_asked >= 1.0:
+      self._stop_asked = time.monotonic()
+      stopped = parts.stopped()
+      if stopped is not None:
+        raise LeaseError('E-STORE-007', f'process 0 stopped the uploads: {stopped}',
+                         'this run no longer writes to the prefix')
+
+  def _may_delete(self, what: str) -> None:
+    if self.lease is not None:
+      self.lease.renewed(f'delete {what}')
+
   def _may_commit(self, step: int) -> None:
-    """Before the manifest: every other process's part is there, and the lease is still ours."""
+    """Before the commit: every other process's part is there, and the lease is still ours."""
     if self._parts is not None:
       self._parts.wait(step, lambda: self._closed, lambda: self._newer(step), self._heard)
     if self.lease is not None:
-      self.lease.renew()
+      self.lease.renewed(f'commit {self.store.join(step_prefix(step))}')
 
   def _heard(self, problem: str) -> None:
     with self._cv:
       self.error = problem
     self._on_event('upload_failed', error=problem)
 
-  def _upload(self, step: int, step_dir: Path, records: Records) -> None:
+  def _upload(self, step: int, step_dir: Path, records: Records, epoch: int) -> None:
     t0 = time.monotonic()
     parts = self._parts
+    if holds(self.store, step_dir):  # downloaded from the remote, or uploaded before: durable
+      self._uploaded(step, 0, time.monotonic() - t0, epoch)
+      return
     if parts is not None and not parts.leader:
-      stopped = parts.stopped()
-      if stopped is not None:
-        raise LeaseError('E-STORE-007', f'process 0 stopped the uploads: {stopped}',
-                         'this run no longer writes to the prefix')
+      self._stop_asked = -float('inf')
+      self._may_write(self.store.url)
+      if self.attempt is None:
+        self.attempt = parts.attempt()  # the name process 0 chose (it never changes)
       parts.started(step)
       sent, _ = upload(
-          self.store, step_dir, {}, files=parts.mine, commit=False, part_bytes=self._part_bytes)
+          self.store,
+          step_dir, {},
+          attempt=self.attempt,
+          files=parts.mine,
+          commit=False,
+          may_write=self._may_write,
+          part_bytes=self._part_bytes)
       parts.said(step, OK)
-      self._uploaded(step, sent, time.monotonic() - t0)
+      self._uploaded(step, sent, time.monotonic() - t0, epoch)
       return
+    if self.lease is not None:  # a run that could not renew for a while tries now, once
+      self.lease.renewed(f'upload of step {step}')
     data = {n: (r() if callable(r) else r) for n, r in records.items()}
     sent, m = upload(
         self.store,
         step_dir,
         data,
+        attempt=self.attempt,
         files=None if parts is None else parts.mine,
+        may_write=self._may_write,
         may_commit=lambda: self._may_commit(step),
+        may_delete=self._may_delete,
         part_bytes=self._part_bytes)
     if parts is not None:
       parts.forget(step)  # committed: the words are not needed again (a retry needs them)
     seconds = time.monotonic() - t0
-    self._metrics[step] = (m.get('metrics') or {}).get(self._best_metric)
+    self._fields[step], self._metas[step] = manifest_fields(m), {'attempt': self.attempt}
     self._apply_retention(step)
     if self._mirror is not None:  # before `remote_step` moves: a waiter sees the exports too
-      self._mirror_dir(*self._mirror)
-    self._uploaded(step, sent, seconds)
+      try:
+        self._mirror.sync()
+      except LeaseError:
+        raise
+      except (CheckpointError, OSError) as e:  # the next commit tries again
+        self._on_event('mirror_failed', prefix=self._mirror.prefix, error=str(e))
+    self._uploaded(step, sent, seconds, epoch)
 
-  def _uploaded(self, step: int, sent: int, seconds: float) -> None:
+  def _uploaded(self, step: int, sent: int, seconds: float, epoch: int) -> None:
     with self._cv:
-      self.remote_step = max(step, self.remote_step or step)
+      if epoch == self._epoch:
+        self.remote_step = max(step, self.remote_step or step)
       recovered, self.error = self.error is not None, None
     self._on_event(
         'uploaded',
@@ -208,40 +278,40 @@ class Uploader:
     try:
       remote, abandoned = steps(self.store)  # one listing for both
       for s in remote:
-        if s not in self._metrics:
-          _, m, _, _ = inspect(self.store, s, remote[s])
-          self._metrics[s] = ((m or {}).get('metrics') or {}).get(self._best_metric)
-      metric = {s: v for s, v in self._metrics.items() if s in remote and v is not None}
-      doomed = [s for s in self.retention.to_delete(remote, metric) if s < newest]
+        if s not in self._fields:
+          _, m, meta, _ = inspect(self.store, s, remote[s])
+          self._fields[s] = None if m is None else manifest_fields(m)  # None: kept, unknown why
+          self._metas[s] = meta
+      records = {s: self._fields[s] for s in remote}
+      metric = {
+          s: v
+          for s, f in records.items()
+          if isinstance(v := ((f or {}).get('metrics') or {}).get(self._best_metric), (int, float))
+      }
+      # What a checkpoint's own manifest says is kept stays kept remotely too; newest-K counts
+      # this history (up to the step just committed), never a replay's abandoned future.
+      doomed = [
+          s for s in self.retention.to_delete(remote, metric, newest=newest, pinned=pins(records))
+          if s < newest
+      ]
       doomed += [s for s in abandoned if s < newest]  # the parts of abandoned uploads
       for s in doomed:
-        delete(self.store, s)
-      if doomed:
-        self._on_event('remote_retention', deleted=doomed)
+        delete(self.store, s, self._may_delete)
+        self._fields.pop(s, None)
+      # Attempts beside a kept step's commit: a stale writer's, a failed or replaced upload's.
+      debris = [
+          k for s in remote if s < newest and s not in doomed and self._metas.get(s) is not None
+          for k in stale(self.store, s, remote[s], self._metas[s])
+      ]
+      if debris:
+        self._may_delete(self.store.join('checkpoints'))
+        self.store.delete_many(debris)
+      if doomed or debris:
+        self._on_event('remote_retention', deleted=doomed, debris=len(debris))
+    except LeaseError:
+      raise
     except (CheckpointError, OSError) as e:
       self._on_event('remote_retention_failed', error=str(e))
-
-  def _mirror_dir(self, local: Path, prefix: str) -> None:
-    """Uploads the files under `local` that are new or changed since last time and deletes the
-    remote ones that are gone locally; names with a temporary mark (a write in progress) are
-    left for next time. A failure is an event; the next commit tries again."""
-    try:
-      files = {
-          str(p.relative_to(local)): p
-          for p in sorted(local.rglob('*'))
-          if p.is_file() and TMP_MARK not in str(p.relative_to(local))
-      }
-      for rel, path in files.items():
-        stat = path.stat()
-        if self._mirrored.get(rel) != (stat.st_size, stat.st_mtime_ns):
-          self.store.write(prefix + rel, path.read_bytes())
-          self._mirrored[rel] = (stat.st_size, stat.st_mtime_ns)
-      gone = [k for k in self.store.list(prefix) if k[len(prefix):] not in files]
-      self.store.delete_many(gone)
-      for key in gone:
-        self._mirrored.pop(key[len(prefix):], None)
-    except (CheckpointError, OSError) as e:
-      self._on_event('mirror_failed', prefix=prefix, error=str(e))
 
   def _fail(self, step: int, e: Exception, *, fatal: bool = False) -> None:
     message = e.line() if isinstance(e, CheckpointError) else f'{type(e).__name__}: {e}'
@@ -262,8 +332,9 @@ class Uploader:
     now = time.monotonic()
     if fatal or now - self._last_warning >= self._warn_every:
       self._last_warning = now
-      logging.warning('upload of step %d to %s failed (%s)%s', step, self.store.url, message,
-                      '' if fatal else '; retrying, training goes on')
+      then = '' if fatal else ('; not retried (the local copy is damaged), training goes on'
+                               if isinstance(e, DamagedLocal) else '; retrying, training goes on')
+      logging.warning('upload of step %d to %s failed (%s)%s', step, self.store.url, message, then)
 
   def status(self) -> dict[str, Any]:
     return {'remote_step': self.remote_step, 'remote_error': self.error}
