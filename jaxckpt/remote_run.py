@@ -4,15 +4,23 @@
   and deleted under the prefix) and takes the prefix's lease; every failure is one line, exit 2.
 - `sync_down` makes the workdir continue from the newest intact checkpoint of either tier: a
   newer remote one is downloaded (CRC-checked) with the run's records of that step (loss history,
-  events, samples, bandit, status); a newer local one is queued for upload.
+  events, samples, bandit, status); see `jaxckpt.remote_start` for the starts it refuses and the
+  damaged local copy it replaces. The checkpoint the run continues from is queued for upload.
+- Durable means uploaded (or found there as it is) by this run: the steps of another history
+  (the remote's, after `--resume=PATH` or a fallback to an older checkpoint) never count.
 - Each checkpoint carries the records as of its `save()` (`capture`, at the call); each commit is
-  handed to the background `Uploader` (`on_commit`). `status.json` shows `remote_step`,
+  handed to the background `Uploader` (`on_commit`). The last one of an invocation (the last
+  step, a stop) is handed over by `finish`, with the records as they are then: its end record
+  (`finished`, `interrupted`, `failed`) travels with it, so a machine that starts from the
+  remote never takes a clean end for an interruption. `status.json` shows `remote_step`,
   `remote_lag_steps` and `remote_error`.
 - `finish` gives the upload of the last checkpoint its time: `stop_grace_secs` after a stop
   signal, longer at the end of a run, and says on stderr which step is durable where.
 - Across processes every one checks access and uploads its own part of each checkpoint; process
-  0 holds the lease, writes the records and commits (`jaxckpt.checkpoint.remote.parts`). With a
-  workdir on each host's own disk, every process downloads the checkpoint it resumes from.
+  0 holds the lease, writes the records and commits (`jaxckpt.checkpoint.remote.parts`), and
+  says in the job's key-value store which step is committed remotely: a step is durable on
+  every process only then, not when this process's part is up. With a workdir on each host's
+  own disk, every process downloads the checkpoint it resumes from.
 """
 
 from __future__ import annotations
@@ -29,18 +37,18 @@ from typing import Any, Callable, Iterator
 
 from absl import logging
 
-from jaxckpt.checkpoint import (CheckpointError, CheckpointOptions, CommitInfo, RetentionPolicy,
-                                atomic, discovery, layout)
-from jaxckpt import distributed
+from jaxckpt.checkpoint import CheckpointOptions, CommitInfo, RetentionPolicy, layout
+from jaxckpt import distributed, remote_start
 from jaxckpt.checkpoint.remote import (Lease, LeaseError, Parts, Store, StoreError, Uploader,
                                        objects)
 from jaxckpt.errors import ConfigError, UsageError
+from jaxckpt.remote_start import APPEND_ONLY, REWRITTEN
 from jaxckpt.runlog import RunLog
-from jaxckpt.workdir import BANDIT, EVENTS, EXPORTS, LOSSES, SAMPLES, STATUS
+from jaxckpt.workdir import EXPORTS
 
-APPEND_ONLY = (LOSSES, EVENTS)  # captured as their length at the call: the prefix never changes
-REWRITTEN = (SAMPLES, BANDIT, STATUS)  # captured as bytes
 FINISH_SECS = 600.0  # how long the end of a run waits for its last upload
+_REMOTE_STEP = 'jaxckpt/run/remote_step/'  # process 0's newest remote commit, for the others
+_ASK_EVERY = 0.2  # seconds between two looks at it (the loop asks at step boundaries)
 
 # What a failed access check means, by `StoreError.kind`: (code, what, fix). Filled in with the
 # store's {bucket}, {url}, {endpoint}, {endpoint_var} and {credentials}.
@@ -49,6 +57,8 @@ _ACCESS = {
         ('E-STORE-001', '{bucket} is not a valid bucket name', 'fix the bucket name in --remote'),
     'missing_bucket': ('E-STORE-002', 'bucket {bucket} does not exist',
                        'create it, or fix the bucket name in --remote'),
+    'missing_parent': ('E-STORE-002', 'its parent directory does not exist (a disk not mounted?)',
+                       'mount the disk, or create the parent directory of {url}'),
     'credentials': ('E-STORE-003', 'the credentials were refused', 'check {credentials}'),
     'denied': ('E-STORE-003', 'the credentials may not list the bucket',
                'grant them list and read access to the bucket, or check {credentials}'),
@@ -73,9 +83,10 @@ def open_store(url: str) -> Store:
     raise ConfigError(e.code, f'--remote={e.what}', e.fix) from None
 
 
-def check_access(store: Store) -> None:
+def check_access(store: Store, *, conditions: bool = False) -> None:
   """Lists, writes, reads back and deletes a probe object under the prefix; raises `UsageError`
-  (exit 2), one line naming the URL, what failed and the fix."""
+  (exit 2), one line naming the URL, what failed and the fix. `conditions`: also that the store
+  refuses a second create-only write and a write at a stale generation (the lease needs both)."""
   probe = f'.jaxckpt-probe-{uuid.uuid4().hex[:12]}'
   data = b'jaxckpt access probe\n'
   stage, unclear = 'list', None
@@ -99,6 +110,12 @@ def check_access(store: Store) -> None:
     if unclear is not None:
       stage = 'list'
       raise unclear
+    stage = 'write'
+    ignored = store.ignored_condition(probe) if conditions else None
+    if ignored:
+      raise UsageError(
+          'E-STORE-014', f'{store.url} ignores conditional writes, so one writer per prefix cannot '
+          'be enforced', f'use a store that honours them, or pass --remote_lease=off ({ignored})')
   except StoreError as e:
     if unclear is not None and e.kind == 'failed':
       e, stage = unclear, 'list'
@@ -152,15 +169,21 @@ class RemoteRun:
     c = config.checkpoint
     self.store, self.workdir, self.config = store, Path(workdir), config
     self.leader = cluster.leader  # holds the lease, writes the records, commits
+    self.cluster = cluster
     self.parts = Parts(cluster.index, cluster.count) if cluster.count > 1 else None
-    self.lease = Lease(store, ttl_secs=c.remote_lease_secs)
+    on = c.get('remote_lease', 'on') == 'on'  # off: no lease object, nothing fences a 2nd writer
+    self.lease = Lease(store, ttl_secs=c.remote_lease_secs) if on else None
     self.taken_over: dict[str, Any] | None = None
     self.uploader: Uploader | None = None
     self.start_step: int | None = None  # the newest intact remote step when the run started
     self.fetched: dict[str, Any] | None = None
     self._records: dict[int, dict[str, Any]] = {}
     self._runlog: RunLog | None = None
-    self._last_local: int | None = None
+    self._last_local: int | None = None  # this run's newest local checkpoint
+    self._submitted: Path | None = None  # the checkpoint it continues from, as queued
+    self._last_records: set[int] = set()  # steps whose records are taken at `finish`
+    self._held: tuple[int, Path] | None = None  # the last commit, uploaded by `finish`
+    self._committed: tuple[float, int | None] = (-float('inf'), None)  # process 0's word, when
 
   @classmethod
   @contextlib.contextmanager
@@ -177,7 +200,8 @@ class RemoteRun:
       return
     try:
       yield run
-    except BaseException:
+    except BaseException as e:
+      distributed.failed_at_start(e)  # the others hear of it before the last upload's grace
       run.finish(run._last_local, stopping=True)
       raise
     run.finish(run._last_local, stopping=False)
@@ -192,9 +216,12 @@ class RemoteRun:
     if not url:
       return None
     store = open_store(url)
-    check_access(store)
+    lease = config.checkpoint.get('remote_lease', 'on') == 'on'
+    check_access(store, conditions=lease and cluster.leader)
     run = cls(store, workdir, config, cluster)
-    if not run.leader:
+    if not run.leader or run.lease is None:
+      if run.leader:
+        logging.warning('--remote_lease=off: nothing stops another trainer writing to %s too', url)
       return run
     try:
       run.taken_over = run.lease.acquire()
@@ -206,32 +233,10 @@ class RemoteRun:
     run.lease.start()
     return run
 
-  def sync_down(self, ckpt_dir: Path, *, fetch: bool = True) -> None:
-    """Brings the workdir to the newest intact checkpoint of either tier (see the module doc).
-    Runs before the workdir's records are opened: a download replaces them. A remote checkpoint
-    that fails its checksums while it downloads is passed over for the next newest. Without
-    `fetch` (a start that names its resume point) it only learns the remote's newest step."""
-    local, _ = discovery.latest_intact(ckpt_dir, checksums=False)
-    local_step = layout.parse_step(local.name) if local is not None else None
-    remote = sorted(objects.committed(self.store).items(), reverse=True)
-    for step, keys in remote:
-      problems = objects.inspect(self.store, step, keys)[3]
-      if problems:
-        logging.warning('passing over remote step %d: %s', step, problems[0])
-        continue
-      if self.start_step is None:
-        self.start_step = step
-      if not fetch or (local_step is not None and local_step >= step):
-        return
-      try:
-        self._fetch(step, ckpt_dir, local_step)
-        return
-      except StoreError:
-        raise  # the store failed: starting without the remote's newest would fork the run
-      except CheckpointError as e:
-        logging.warning('passing over remote step %d: %s', step, e.line())
-        if self.start_step == step:
-          self.start_step = None
+  def sync_down(self, ckpt_dir: Path, *, resume: str = 'latest', fetch: bool = True) -> None:
+    """Brings the workdir to the newest intact checkpoint of either tier, or refuses to start
+    (`remote_start.sync_down`). Without `fetch` it only learns the remote's newest step."""
+    remote_start.sync_down(self, ckpt_dir, resume=resume, fetch=fetch)
 
   def resume_point(self, ckpt_dir: Path) -> Path | None:
     """Where each host's workdir is its own disk: the newest intact remote checkpoint, which
@@ -241,25 +246,22 @@ class RemoteRun:
       return None
     return ckpt_dir / layout.step_dirname(self.start_step)
 
-  def _fetch(self, step: int, ckpt_dir: Path, local_step: int | None) -> None:
-    t0 = time.monotonic()
-    logging.info('fetching step %d from %s (the newest intact checkpoint%s)', step, self.store.url,
-                 f'; local has {local_step}' if local_step is not None else '')
-    path, records = objects.download(self.store, step, ckpt_dir, progress=_Progress(step))
-    for name, data in records.items():
-      if name in APPEND_ONLY + REWRITTEN and self.leader:
-        atomic.write_file_durably(self.workdir / name, data)
-    self.fetched = {
-        'step': step, 'url': self.store.join(objects.step_prefix(step)),
-        'bytes': sum(p.stat().st_size for p in path.rglob('*') if p.is_file()),
-        'seconds': round(time.monotonic() - t0, 3), 'records': sorted(records)
-    }
-    logging.info('fetched step %d: %.1f MB in %.1f s', step, self.fetched['bytes'] / 1e6,
-                 self.fetched['seconds'])
+  def replace_damaged(self, path: Path, ckpt_dir: Path) -> Path | None:
+    """The remote's intact copy of local checkpoint `path`, which failed its checksums while it
+    was restored, downloaded over it; None when the remote holds none."""
+    replaced = remote_start.replace_damaged(self, path, ckpt_dir)
+    if replaced is not None and self._runlog is not None:
+      self._runlog.event('fetched', reason='the local copy fails its checksums', **self.fetched)
+    return replaced
 
-  def attach(self, runlog: RunLog, options: CheckpointOptions, ckpt_dir: Path) -> None:
-    """Starts the uploader, with the local retention rules (`options`); a local checkpoint
-    newer than the remote's is queued at once."""
+  def attach(self,
+             runlog: RunLog,
+             options: CheckpointOptions,
+             ckpt_dir: Path,
+             resume_dir: Path | None = None) -> None:
+    """Starts the uploader, with the local retention rules (`options`); the local checkpoint
+    the run continues from (`resume_dir`) is queued at once: until it is up (or found there as
+    it is), nothing of this run is durable."""
     self._runlog = runlog
     retention = RetentionPolicy(options.keep, options.keep_every, options.keep_best)
     if self.taken_over is not None:
@@ -273,16 +275,27 @@ class RemoteRun:
         retention=retention,
         lease=self.lease if self.leader else None,
         on_event=self._on_event,
-        start_step=self.start_step,
         mirror=(self.workdir / EXPORTS, EXPORTS + '/') if self.leader else None,
         parts=self.parts)
-    local, _ = discovery.latest_intact(ckpt_dir, checksums=False)
-    if local is not None:
-      step = layout.parse_step(local.name)
-      self._last_local = step
-      if self.start_step is None or step > self.start_step:
-        self.uploader.submit(step, local, self.capture_now())
+    self._submit_start(resume_dir, ckpt_dir)
+    runlog.event('remote', url=self.store.url, lease='on' if self.lease else 'off')
     runlog.status(remote=self.store.url, **self.status())
+
+  def started(self, resumed_from: Path | None, ckpt_dir: Path) -> None:
+    """The run continues from `resumed_from` (None: a fresh start): the checkpoint the stop line
+    and the cadence speak of until the next commit. A fallback to another checkpoint than the
+    one `attach` queued (the one asked for was damaged) queues that one instead."""
+    if self._submitted != resumed_from:
+      self._submit_start(resumed_from, ckpt_dir)
+
+  def _submit_start(self, path: Path | None, ckpt_dir: Path) -> None:
+    self._submitted = path
+    step = layout.parse_step(path.name) if path is not None else None
+    if step is None or path.parent.resolve() != Path(ckpt_dir).resolve():
+      self._last_local = None  # a fresh start, or a .bin: no checkpoint of this run yet
+      return
+    self._last_local = step
+    self.uploader.submit(step, path, self.capture_now())  # found there as it is: no upload
 
   def capture_now(self) -> dict[str, Any]:
     """The run's records as of now: {name: bytes, or a reader of the prefix written so far}."""
@@ -298,21 +311,45 @@ class RemoteRun:
         continue
     return records
 
-  def capture(self, step: int) -> None:
+  def capture(self, step: int, *, last: bool = False) -> None:
     """Called by `save(step)` before the checkpoint is handed over: these records travel with
-    it."""
-    if self.leader:  # the others upload their part of the state alone
+    it. `last`: no save follows (the last step, a stop): `finish` takes them, after the end
+    record, and uploads the checkpoint then."""
+    if not self.leader:  # the others upload their part of the state alone
+      return
+    if last:
+      self._last_records.add(step)
+    else:
       self._records[step] = self.capture_now()
 
   def on_commit(self, info: CommitInfo) -> None:
     self._last_local = info.step
-    self.uploader.submit(info.step, info.path, self._records.pop(info.step, None))
+    if info.step in self._last_records:
+      self._held = (info.step, info.path)  # `finish` is moments away: the end record first
+    else:
+      self._held = None
+      self.uploader.submit(info.step, info.path, self._records.pop(info.step, None))
     for step in [s for s in self._records if s < info.step]:
       del self._records[step]  # a save that failed: its records will not be needed
 
   def durable(self, step: int) -> bool:
-    """Whether `step` is committed remotely."""
-    return self.uploader is not None and self.uploader.durable(step)
+    """Whether `step` is committed remotely: on a process other than 0, its part is up and
+    process 0 says it committed the step (the whole checkpoint is there)."""
+    if self.uploader is None or not self.uploader.durable(step):
+      return False
+    return self.leader or (self._leader_step() or -1) >= step
+
+  def _leader_step(self) -> int | None:
+    """Process 0's newest remote commit, as it last said (asked at most every `_ASK_EVERY`)."""
+    asked, step = self._committed
+    if time.monotonic() - asked >= _ASK_EVERY:
+      try:
+        found = self.cluster.client().key_value_dir_get(_REMOTE_STEP)
+        step = max((int(v) for _, v in found), default=step)
+      except Exception:  # pylint: disable=broad-except  # the runtime's own error types
+        pass  # not said yet, or the coordinator is busy: ask again later
+      self._committed = (time.monotonic(), step)
+    return step
 
   def chain(self, committed: Callable[[], bool]) -> Callable[[], bool]:
     """The automatic cadence's test that the last save is durable: `committed()` locally and,
@@ -325,13 +362,22 @@ class RemoteRun:
     lag = None if self._last_local is None else self._last_local - (remote or 0)
     return {
         'remote_step': remote, 'remote_lag_steps': lag,
-        'remote_error': self.uploader.error if self.uploader else None
+        'remote_error': self.uploader.error if self.uploader else None,
+        'lease': 'on' if self.lease else 'off'
     }
 
   def _on_event(self, name: str, **fields) -> None:
     if self._runlog is not None:
       self._runlog.event(name, **fields)
       self._runlog.status(**self.status())
+    if (name == 'uploaded' and self.leader and self.parts is not None
+        and self.uploader.remote_step is not None):
+      try:  # the others' `durable` waits for this word (after the record: it comes first)
+        self.cluster.client().key_value_set(
+            f'{_REMOTE_STEP}0', str(self.uploader.remote_step), allow_overwrite=True)
+      except Exception as e:  # pylint: disable=broad-except  # the others wait longer, no more
+        logging.warning('could not tell the other processes of remote step %s: %s',
+                        fields.get('step'), e)
 
   def finish(self, step: int | None, *, stopping: bool) -> bool:
     """Waits for `step` to be durable remotely (`stop_grace_secs` after a stop signal, else up
@@ -339,6 +385,9 @@ class RemoteRun:
     if self.uploader is None or step is None:
       self.close()
       return False
+    if self._held is not None:  # the end record is written: it travels with the last commit
+      self.uploader.submit(*self._held, self.capture_now())
+      self._held = None
     grace = self.config.checkpoint.stop_grace_secs if stopping else FINISH_SECS
     if not self.uploader.durable(step):
       logging.info('waiting up to %.0f s for step %d to reach %s', grace, step, self.store.url)
@@ -352,8 +401,9 @@ class RemoteRun:
     elif done:
       line = f'step {step} is durable in {where}'
     else:
-      line = (f'step {step} is committed locally only ({local}); {self.store.url} holds step '
-              f'{self.uploader.remote_step}' +
+      held = self.uploader.remote_step  # of this run's history: another's never counts
+      line = (f'step {step} is committed locally only ({local}); {self.store.url} holds ' +
+              (f'step {held}' if held is not None else 'no step of this run') +
               (f' ({self.uploader.error})' if self.uploader.error else ''))
     print(f'jaxckpt: {line}', file=sys.stderr, flush=True)
     if self._runlog is not None:
@@ -366,22 +416,10 @@ class RemoteRun:
   def close(self) -> None:
     if self.uploader is not None:
       self.uploader.close()
-    self.lease.release()
+    if self.lease is not None:
+      self.lease.release()
 
 
 def _prefix(path: Path, size: int) -> bytes:
   with open(path, 'rb') as f:
     return f.read(size)
-
-
-class _Progress:
-  """Logs a long download's progress every 10 seconds."""
-
-  def __init__(self, step: int):
-    self.step, self.last = step, time.monotonic()
-
-  def __call__(self, done: int, total: int) -> None:
-    if time.monotonic() - self.last >= 10:
-      self.last = time.monotonic()
-      logging.info('fetching step %d: %.0f%% of %.1f MB', self.step, 100 * done / max(total, 1),
-                   total / 1e6)

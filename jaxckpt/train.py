@@ -14,6 +14,7 @@ library itself in `jaxckpt.checkpoint`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import time
@@ -24,12 +25,13 @@ import jax
 import ml_collections
 from absl import logging
 
-from jaxckpt import agreement, distributed
+from jaxckpt import agreement, distributed, stepwatch
 from jaxckpt import data as data_lib
 from jaxckpt import identity, phases, provenance as provenance_lib
 from jaxckpt import resume as resume_lib
 from jaxckpt import init_from as init_from_lib
-from jaxckpt.checkpoint import CheckpointManager, CommitInfo, signals
+from jaxckpt.checkpoint import CheckpointError, CheckpointManager, CommitInfo, signals
+from jaxckpt.checkpoint.manifest import commit_label
 from jaxckpt.config import cadence_options, checkpoint_options, validate_config
 from jaxckpt.errors import UsageError
 from jaxckpt.export import during_training
@@ -108,7 +110,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                        *,
                        resume: str = 'latest',
                        provenance: dict | None = None,
-                       watcher: signals.PreemptionWatcher | None = None) -> TrainState:
+                       watcher: signals.PreemptionWatcher | None = None,
+                       step_timeout_secs: float | None = None) -> TrainState:
   """Train `config` in `workdir`, continuing the run there if there is one. Returns the state.
 
   `provenance` ({'knobs', 'sources'} from `jaxckpt.provenance.provenance`) says where each config
@@ -119,8 +122,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   `jaxckpt.checkpoint.signals`), and `JaxckptError`s for problems the user can fix.
   """
   validate_config(config)
+  stepwatch.check(step_timeout_secs)
   workdir = Path(workdir)
-  with watcher or signals.PreemptionWatcher() as watcher, distributed.run_lock(workdir) as lock, \
+  # `startup`: a failure before the first step, of any kind, stops every process at once.
+  with watcher or signals.PreemptionWatcher() as watcher, distributed.startup(), \
+      distributed.run_lock(workdir) as lock, \
       RemoteRun.opened(config, workdir, distributed.current()) as remote:  # before any compile
     ckpt_dir = checkpoints_dir(workdir)
     shared = distributed.shared_workdir(workdir, remote=remote is not None, config=config)
@@ -132,13 +138,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     # A newer remote checkpoint (and its records) comes down; the others wait for process 0's.
     distributed.together(
         'remote_synced', lambda: remote and remote.sync_down(
-            ckpt_dir, fetch=resume == 'latest' and (distributed.leader() or not shared)))
+            ckpt_dir,
+            resume=resume,
+            fetch=resume == 'latest' and (distributed.leader() or not shared)))
     if shared or resume != 'latest':
       resume_dir = distributed.together('resume_point',
                                         lambda: resume_lib.find_resume_point(resume, ckpt_dir))
     else:  # each host's own disk holds its parts alone: the remote's newest is the whole one
       resume_dir = remote.resume_point(ckpt_dir)
-    distributed.agree('resume', str(resume_dir and resume_dir.name),
+    # By seal, not name: hosts can hold different commits of one step (another history's).
+    distributed.agree('resume', str(resume_dir and commit_label(resume_dir)),
                       'the checkpoint to resume from')
     dataset = data_lib.from_config(config)
     trainer = build_trainer(config)
@@ -179,7 +188,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
             checkpoint_options(config), barrier_timeout_secs=distributed.current().timeout_secs),
         on_commit=on_commit)
     if remote is not None:
-      remote.attach(runlog, mgr.options, ckpt_dir)
+      remote.attach(runlog, mgr.options, ckpt_dir, resume_dir)
       cadence.durable = remote.chain(cadence.durable)  # durable means uploaded too
     if lock.previous_holder:
       runlog.event('lock_taken_over', previous=lock.previous_holder)
@@ -195,7 +204,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         remote=remote)
     try:
       state, step = resume_lib.start(session, resume, resume_dir)
-      return _loop(session, state, step, cadence)
+      if remote is not None:  # the checkpoint it continues from, after any fallback
+        remote.started(session.resumed_from, ckpt_dir)
+      distributed.started()
+      with stepwatch.watching(step_timeout_secs, runlog, step):  # a hung step ends the run
+        return _loop(session, state, step, cadence)
     except signals.Interrupted:
       raise
     except BaseException as e:
@@ -220,6 +233,8 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
   progress = _Progress(trainer, runlog, step, cadence.note)
   first_step = step
   cadence.start(step)  # the interval counts from here
+  if step >= total:
+    _say_finished(runlog, step, total)
   # The step this run continues from is on disk when it came from this workdir's own checkpoint.
   restored_here = (
       session.resumed_from is not None
@@ -230,6 +245,7 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
 
   def save(step: int) -> None:
     cadence.saving(step)
+    cadence.poll(mgr, step, wait=True)  # the save in flight: a failure is counted, this retries
     if config.train.guard_finite:
       check_finite(trainer, state, step)
     with cadence.aside():  # rows the next progress line writes anyway: not the save's cost
@@ -243,59 +259,118 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
     if distributed.leader():
       phases.write_bandit_mirror(session.workdir, step, bandit_state)
     if session.remote is not None:
-      session.remote.capture(step)  # the records that travel with this checkpoint
-    mgr.save(
-        step,
-        state,
-        run_state,
-        metadata={
-            **session.identity,
-            'counters': counters,
-            'finished': step == total,
-            # The held-out loss of this very step, when the run evaluated it: what
-            # --keep_best ranks by (a checkpoint without one never counts as best).
-            'metrics': {'heldout_loss': heldout[step]} if step in heldout else {}
-        },
-        exclude=session.not_saved if session.file_frozen else None)
+      # The records that travel with this checkpoint; the last one's are taken after the end.
+      session.remote.capture(step, last=step == total or agree.stop_signal is not None)
+    try:
+      mgr.save(
+          step,
+          state,
+          run_state,
+          metadata={
+              **session.identity,
+              'counters': counters,
+              'finished': step == total,
+              # The held-out loss of this very step, when the run evaluated it: what
+              # --keep_best ranks by (a checkpoint without one never counts as best).
+              'metrics': {'heldout_loss': heldout[step]} if step in heldout else {}
+          },
+          exclude=session.not_saved if session.file_frozen else None)
+    except CheckpointError as e:
+      if mgr.mode_used != 'sync' or e.code != 'E-CKPT-001':
+        raise
+      cadence.failed_inline(e)  # written inline and failed: retried as a background failure is
     saved.add(step)
     cadence.saved(step)
 
   # Across processes: the same saves and the same stop on every one (`jaxckpt.agreement`).
   agree = agreement.Agreement(watcher, step, clocked=mgr.options.every_secs > 0)
+  # Steps are dispatched asynchronously. Unbounded, the loop would run up to `log_every` steps
+  # ahead of the devices, and a stop signal, honoured at the step the loop reached, would wait
+  # for all of them. Waiting, after dispatching step k, for step k-1 keeps the devices busy
+  # (step k is queued) and a stop within two step times plus the commit.
+  in_flight, bound = collections.deque(), config.train.get('max_steps_in_flight', 2)
   while step < total and agree.stop_signal is None:
     arm = session.bandit.choose(step)
     state, metrics = trainer.train_step(state, trainer.put_batch(dataset.batch(step, arm)))
     step += 1
+    watcher.position = step  # the step a signal arriving now is noted at
+    if bound:
+      in_flight.append(metrics['loss'])
+      while len(in_flight) >= bound:
+        jax.block_until_ready(in_flight.popleft())
+    stepwatch.beat(step)
     progress.add(step, metrics)
+    cadence.poll(mgr, step)  # a background save that failed is heard here, at once
     cadence.after_step(step, metrics)
     session.bandit.record(step, arm, metrics['loss'])
     if step % config.train.log_every == 0 or step == total:
       progress.flush(log=True)
       runlog.status(step=step)
     if config.train.eval_every and step % config.train.eval_every == 0:
-      heldout[step] = evaluate(trainer, state.params, dataset)
+      with stepwatch.paused():
+        heldout[step] = evaluate(trainer, state.params, dataset)
       runlog.event('eval', step=step, heldout_loss=heldout[step])
+      logging.info('step %d  held-out loss %.4f', step, heldout[step])
     if sample_every and (step % sample_every == 0 or step == total):
-      samples = generate_samples(trainer, state.params, step)  # on every process: it computes
+      with stepwatch.paused():
+        samples = generate_samples(trainer, state.params, step)  # on every process: computes
       if distributed.leader():
         phases.write_samples(session.workdir, session.bandit.state['phase'], step, samples,
                              config.samples.keep)
+    requested = watcher.save_requested  # a SIGUSR1 this boundary may take
     if agree.save_now(step, total, lambda: mgr.should_save(step), lambda: cadence.due(step)):
+      with stepwatch.paused():
+        save(step)
+      if requested and not watcher.save_requested:
+        _on_request(runlog, watcher, step)
+  with stepwatch.paused():
+    if step not in saved and (step == total or step > first_step):
+      save(step)  # resumed at the end, or stopped: the step reached must be on disk
+    while not cadence.poll(mgr, step, wait=True):  # a failed last save is retried once
       save(step)
-  if step not in saved and (step == total or step > first_step):
-    save(step)  # resumed at the end, or stopped: the step reached must be on disk
-  mgr.wait_until_finished()
   progress.flush(log=False)
   if step < total:  # only a stop signal ends the loop early
+    latency, detail = {}, ''
+    if watcher.stop_time is not None:  # the signal came to this process (not only an agreement)
+      latency = {
+          'signal_step': watcher.stop_position,
+          'seconds_from_signal': round(watcher.seconds_since_stop(), 3)
+      }
+      if watcher.stop_position is not None:  # None: during start-up, nothing new to save
+        detail = (f'the signal arrived at step {watcher.stop_position}; checkpoint committed '
+                  f'{latency["seconds_from_signal"]:.1f} s after it')
     runlog.event(
         'interrupted',
         step=step,
         signal=agree.stop_name,
-        message=f'interrupted by {agree.stop_name} at step {step}')
+        message=f'interrupted by {agree.stop_name} at step {step}',
+        **latency)
     runlog.status(state='interrupted', step=step, signal=agree.stop_name)
-    raise signals.Interrupted(agree.stop_signal, step)
+    raise signals.Interrupted(agree.stop_signal, step, detail)
   if watcher.stop_signal is not None:
     logging.info('%s arrived after the last step; the run is finished', watcher.stop_name)
   runlog.event('finished', step=step)
   runlog.status(state='finished', step=step, last_checkpoint=mgr.latest_step())
   return state
+
+
+def _on_request(runlog: RunLog, watcher: signals.PreemptionWatcher, step: int) -> None:
+  """A SIGUSR1 was taken by the checkpoint of `step`: one line and an event say so."""
+  waited = time.monotonic() - (watcher.save_request_time or time.monotonic())
+  runlog.event(
+      'checkpoint_requested', step=step, signal='SIGUSR1', seconds_from_signal=round(waited, 3))
+  logging.info('SIGUSR1: checkpoint of step %d started %.1f s after the signal', step, waited)
+
+
+def _say_finished(runlog: RunLog, step: int, total: int) -> None:
+  """A start with nothing to train: say why, and how to go on."""
+  if step > total:
+    note = (f'nothing trained: the run is at step {step}, past --config.train.steps={total}; '
+            f'to train further, pass --config.train.steps above {step}')
+    logging.warning('%s', note)
+  else:
+    note = (f'the run is finished at step {step} (--config.train.steps={total}); to continue '
+            f'it, pass --config.train.steps above {step}')
+    logging.info('%s', note)
+  runlog.event('nothing_to_train', step=step, total_steps=total, message=note)
+  runlog.status(note=note)

@@ -14,6 +14,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 from .atomic import fsync_dir
 from .errors import ArgumentError, CheckpointError
@@ -85,13 +86,32 @@ def remove_debris(root: Path) -> list[Path]:
   return removed
 
 
+_MAX_MEMBER = 1024  # characters in a member's name
+
+
+def member_problem(relpath: Any) -> str | None:
+  """Why `relpath` (a name read from a manifest or a bucket) cannot be a file inside a
+  checkpoint, or None. A member is relative, with no empty, `.` or `..` part and no control
+  character: joined to any directory, it names something inside it."""
+  if not isinstance(relpath, str) or not relpath or len(relpath) > _MAX_MEMBER:
+    return f'{relpath!r:.80}: not a file name'
+  if relpath.startswith('/'):
+    return f'{relpath!r:.80}: an absolute path'
+  if any(part in ('', '.', '..') for part in relpath.split('/')):
+    return f'{relpath!r:.80}: a name that leaves its directory (an empty, . or .. part)'
+  if any(ord(c) < 32 or c == '\\' for c in relpath):
+    return f'{relpath!r:.80}: a control character or backslash'
+  return None
+
+
 def safe_member(step_dir: Path, relpath: str) -> Path:
   """`step_dir/relpath`, refusing names (from a manifest) that point outside the checkpoint."""
-  path = (step_dir / relpath).resolve()
-  base = step_dir.resolve()
-  if relpath.startswith('/') or '..' in Path(relpath).parts or base not in path.parents:
+  problem = member_problem(relpath)
+  if problem is None and step_dir.resolve() not in (step_dir / relpath).resolve().parents:
+    problem = f'{relpath!r:.80}: a link that leads out of it'
+  if problem is not None:
     raise CheckpointError(
         'E-CKPT-005', f'{step_dir}: manifest names a file outside the '
-        f'checkpoint: {relpath!r}', 'the manifest is corrupt or hostile; '
+        f'checkpoint: {problem}', 'the manifest is corrupt or hostile; '
         'do not load this checkpoint')
-  return path
+  return (step_dir / relpath).resolve()

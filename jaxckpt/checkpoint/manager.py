@@ -11,8 +11,8 @@
 handed are serialized: whatever the caller mutates afterwards, the checkpoint holds the values of
 the call. Writing, fsyncing, committing and deleting old checkpoints run on one background thread. One save is in flight at a time: the next
 `save` waits for the previous one. An error in the background is stored and raised in the caller's
-thread by the next `save`, `wait_until_finished` or `close`; the checkpoint it was writing is never
-committed. The manager does not import the trainer: any pytree of arrays can be saved.
+thread by the next `save`, `wait_until_finished` or `close` (or returned, at once, by
+`take_error`); the checkpoint it was writing is never committed. The manager does not import the trainer: any pytree of arrays can be saved.
 """
 
 from __future__ import annotations
@@ -159,6 +159,8 @@ class CheckpointManager:
     if exclude is not None:
       left_out = {n: x for n, x in leaves.items() if exclude(n)}
       leaves = {n: x for n, x in leaves.items() if n not in left_out}
+    if self._group is not None:  # before anything is written: N copies of one array, no restore
+      multihost.refuse_process_local(leaves)
     # Captured now, as bytes and a private copy: the caller's dicts and lists may change while
     # the write runs (a bandit's pulls, counters), and a non-JSON value fails here, in its thread.
     run_state_json = _json_bytes({'step': step, **(run_state or {})})
@@ -203,6 +205,17 @@ class CheckpointManager:
     if pending is not None:
       pending.result()
 
+  def take_error(self) -> BaseException | None:
+    """The error of a background save that has finished, cleared as if raised; None when none
+    failed or one is still running. Never blocks: a loop can ask at every step and hear of a
+    failed write at once, not at its next `save`."""
+    with self._lock:
+      pending = self._pending
+      if pending is None or not pending.done():
+        return None
+      self._pending = None
+    return pending.exception()
+
   def close(self) -> None:
     try:
       self.wait_until_finished()
@@ -237,7 +250,11 @@ class CheckpointManager:
         known, table = self._write_state(tmp, step, seq, staged, region, table, places)
       else:
         orbaxstore.save(tmp / layout.STATE_DIR, staged)
-      metadata = {**metadata, 'storage': storage}
+      # Why this checkpoint is kept is its own: a later run's other flags never delete it.
+      metadata = {
+          **metadata, 'storage': storage,
+          'retention': retention.record(step, self.options, replacing=self.step_dir(step))
+      }
       if group is not None and storage == SAFETENSORS:
         metadata['state_files'] = sorted(known)
       final = self.step_dir(step)
@@ -265,7 +282,7 @@ class CheckpointManager:
           'E-CKPT-001', f'writing checkpoint step {step} under '
           f'{self.directory} failed: {type(e).__name__}: {e}',
           f'nothing was committed for step {step}; {intact}') from e
-    deleted, retention_errors = self._apply_retention()
+    deleted, retention_errors = self._apply_retention(step)
     if self._on_commit is None:
       return
     info = CommitInfo(
@@ -310,10 +327,11 @@ class CheckpointManager:
   def _storage(self) -> str:
     return SAFETENSORS if self.options.storage == 'auto' else self.options.storage
 
-  def _apply_retention(self) -> tuple[list[int], list[str]]:
+  def _apply_retention(self, step: int) -> tuple[list[int], list[str]]:
+    """After committing `step`: never it, nor a step above it (a replay's abandoned future)."""
     if self._group is not None and not self._group.leader and self._group.shared:
       return [], []  # process 0 deletes
-    return retention.apply(self.directory, self._retention, self.options)
+    return retention.apply(self.directory, self._retention, self.options, newest=step)
 
   # ----------------------------------------------------------------------------- restoring
   def read_manifest(self, step_or_dir: int | os.PathLike) -> dict[str, Any]:

@@ -86,8 +86,8 @@ def local_run(arg: str) -> Iterator[Path]:
         _, records = objects.download(store, step, tmp / 'checkpoints')
       except CheckpointError as e:
         print(f'jaxckpt: passing over remote step {step}: {e.line()}')
-    for name, data in records.items():
-      (tmp / name).write_bytes(data)
+    for name, data in records.items():  # plain names: the download refuses any other
+      layout.safe_member(tmp, name).write_bytes(data)
     yield tmp
 
 

@@ -1,0 +1,131 @@
+"""Where a run with `--remote` starts from: the workdir brought to the newest intact checkpoint
+of either tier, before the workdir's records are opened (a download replaces them).
+
+- A newer intact remote checkpoint is downloaded (CRC-checked) with the run's records of that
+  step; a remote one that fails its checksums while it downloads is passed over for the next.
+- A remote that holds committed checkpoints, none of them intact, is never taken for an empty
+  one: with nothing local to continue from, the start is refused (E-RESUME-004), as a workdir
+  whose checkpoints are all damaged is. `--resume=none` against a remote that holds committed
+  checkpoints is refused (E-RESUME-001), as against a workdir that does.
+- A local checkpoint that fails its checksums while it is restored is replaced by the remote's
+  intact copy of the same step (`replace_damaged`), not passed over for an older local one.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from absl import logging
+
+from jaxckpt.checkpoint import CheckpointError, atomic, discovery, layout
+from jaxckpt.checkpoint.remote import StoreError, objects
+from jaxckpt.errors import ResumeError
+from jaxckpt.workdir import BANDIT, EVENTS, LOSSES, SAMPLES, STATUS
+
+APPEND_ONLY = (LOSSES, EVENTS)  # captured as their length at the call: the prefix never changes
+REWRITTEN = (SAMPLES, BANDIT, STATUS)  # captured as bytes
+
+
+def sync_down(run, ckpt_dir: Path, *, resume: str, fetch: bool) -> None:
+  """Brings the workdir of `run` (a `RemoteRun`) to the newest intact checkpoint of either tier
+  and sets `run.start_step` (the newest intact remote step). Without `fetch` (a start that names
+  its resume point, or a process that waits for process 0's download) it only learns that."""
+  url = run.store.url
+  local, _ = discovery.latest_intact(ckpt_dir, checksums=False)
+  local_step = layout.parse_step(local.name) if local is not None else None
+  committed = objects.committed(run.store)
+  if resume == 'none' and committed:
+    raise ResumeError(
+        'E-RESUME-001', f'--resume=none but --remote={url} already holds committed checkpoints '
+        f"(steps {min(committed)}..{max(committed)}); starting fresh would silently fork the run's "
+        'history', 'use --resume=latest to continue, or a new --remote prefix and --workdir to '
+        'start over')
+  passed: list[tuple[int, str]] = []
+  for step, keys in sorted(committed.items(), reverse=True):
+    problems = objects.inspect(run.store, step, keys)[3]
+    if problems:
+      logging.warning('passing over remote step %d: %s', step, problems[0])
+      passed.append((step, problems[0]))
+      continue
+    if run.start_step is None:
+      run.start_step = step
+    if not fetch or (local_step is not None and local_step >= step):
+      return
+    try:
+      fetch_step(run, step, ckpt_dir, local_step)
+      return
+    except StoreError:
+      raise  # the store failed: starting without the remote's newest would fork the run
+    except CheckpointError as e:
+      logging.warning('passing over remote step %d: %s', step, e.line())
+      passed.append((step, e.what))
+      if run.start_step == step:
+        run.start_step = None
+  if fetch and passed and local_step is None:  # never a fresh start over committed checkpoints
+    step, why = passed[0]
+    raise ResumeError(
+        'E-RESUME-004', f'none of the {len(committed)} committed checkpoint(s) in --remote={url} '
+        f'is intact (newest: step {step}: {why})', f'see `jaxckpt verify {url}`; restore the '
+        'objects, or start over with a new --remote prefix')
+
+
+def fetch_step(run,
+               step: int,
+               ckpt_dir: Path,
+               local_step: int | None,
+               *,
+               records: bool = True) -> Path:
+  """Downloads remote step `step` into `ckpt_dir` (replacing a local copy of it) and, with
+  `records`, the run's records of that step into the workdir; sets `run.fetched`."""
+  t0 = time.monotonic()
+  logging.info('fetching step %d from %s (the newest intact checkpoint%s)', step, run.store.url,
+               f'; local has {local_step}' if local_step is not None else '')
+  path, got = objects.download(run.store, step, ckpt_dir, progress=_Progress(step))
+  for name, data in got.items():
+    if records and name in APPEND_ONLY + REWRITTEN and run.leader:
+      atomic.write_file_durably(run.workdir / name, data)
+  run.fetched = {
+      'step': step, 'url': run.store.join(objects.step_prefix(step)),
+      'bytes': sum(p.stat().st_size for p in path.rglob('*') if p.is_file()),
+      'seconds': round(time.monotonic() - t0, 3), 'records': sorted(got) if records else []
+  }
+  logging.info('fetched step %d: %.1f MB in %.1f s', step, run.fetched['bytes'] / 1e6,
+               run.fetched['seconds'])
+  return path
+
+
+def replace_damaged(run, path: Path, ckpt_dir: Path) -> Path | None:
+  """Local checkpoint `path` failed its checksums while it was restored: the remote's intact
+  copy of the same step, downloaded over it (the workdir's records, which are of this run's
+  own history, stay); None when the remote holds none. The caller restores it again."""
+  step = layout.parse_step(path.name)
+  if step is None or path.parent.resolve() != Path(ckpt_dir).resolve():
+    return None
+  try:
+    keys = objects.committed(run.store).get(step)
+    if keys is None or objects.inspect(run.store, step, keys)[3]:
+      return None
+    logging.warning('%s fails its checksums; %s holds step %d intact: downloading it', path,
+                    run.store.url, step)
+    replaced = fetch_step(run, step, ckpt_dir, step, records=False)
+  except CheckpointError as e:  # the store failed, or its copy is damaged too: the older one
+    logging.warning('the remote copy of step %d cannot replace %s: %s', step, path, e.line())
+    return None
+  return replaced
+
+
+class _Progress:
+  """Logs a long download's progress every 10 seconds."""
+
+  def __init__(self, step: int):
+    self.step, self.last = step, time.monotonic()
+
+  def __call__(self, done: int, total: int) -> None:
+    if time.monotonic() - self.last >= 10:
+      self.last = time.monotonic()
+      logging.info('fetching step %d: %.0f%% of %.1f MB', self.step, 100 * done / max(total, 1),
+                   total / 1e6)
+
+
+__all__ = ['APPEND_ONLY', 'REWRITTEN', 'fetch_step', 'replace_damaged', 'sync_down']
