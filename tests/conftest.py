@@ -70,14 +70,18 @@ class TrainerCommand:
         timeout=timeout,
         env=subprocess_env(self.cache, devices, **(env or {})))
 
-  def start(self, workdir, *flags: str, devices: int = 1) -> subprocess.Popen:
+  def start(self,
+            workdir,
+            *flags: str,
+            devices: int = 1,
+            env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         self.command(workdir, *flags),
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=subprocess_env(self.cache, devices))
+        env=subprocess_env(self.cache, devices, **(env or {})))
 
 
 @pytest.fixture(scope='session')

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from condition_proxy import ConditionProxy
-from conftest import REPO, committed_steps, events_of, subprocess_env, wait_for
+from conftest import REPO, committed_steps, events_of, wait_for
 from jaxckpt.checkpoint.remote import Lease, LeaseError, Store, objects
 from jaxckpt.runlog import read_status
 
@@ -49,16 +49,6 @@ def through(proxy: ConditionProxy, url: str) -> Store:
     return store
   finally:
     os.environ['AWS_ENDPOINT_URL'] = saved
-
-
-def popen(trainer, workdir, *flags: str, **env: str) -> subprocess.Popen:
-  return subprocess.Popen(
-      trainer.command(workdir, *flags),
-      cwd=REPO,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-      env=subprocess_env(trainer.cache, **env))
 
 
 # ------------------------------------------------------------------ stores that ignore conditions
@@ -249,15 +239,14 @@ def test_a_stopped_trainer_exits_within_its_grace_whatever_the_store_does(
     trainer, s3_server, proxy, tmp_path):
   url = s3_server.bucket()
   workdir = tmp_path / 'run'
-  proc = popen(
-      trainer,
+  proc = trainer.start(
       workdir,
       '--config.train.steps=100000',
       '--checkpoint_every=10',
       f'--remote={url}',
       '--remote_lease_secs=3',
       '--stop_grace_secs=2',
-      AWS_ENDPOINT_URL=proxy.endpoint)
+      env={'AWS_ENDPOINT_URL': proxy.endpoint})
   wait_for(lambda: events_of(workdir, 'uploaded'), proc)
   proxy.hang.set()  # every request from now on is held, unanswered
   proc.send_signal(signal.SIGTERM)

@@ -12,7 +12,7 @@ import subprocess
 import time
 
 from condition_proxy import ConditionProxy
-from conftest import REPO, committed_steps, events_of, jaxckpt_cli, subprocess_env, wait_for
+from conftest import committed_steps, events_of, jaxckpt_cli, wait_for
 from jaxckpt.checkpoint.remote import Store
 from jaxckpt.runlog import read_status
 
@@ -23,13 +23,8 @@ WRITES = ('PUT', 'POST', 'DELETE')
 
 
 def _start(trainer, workdir, url: str, proxy: ConditionProxy, *flags: str) -> subprocess.Popen:
-  return subprocess.Popen(
-      trainer.command(workdir, *FLAGS, f'--remote={url}', *flags),
-      cwd=REPO,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-      env=subprocess_env(trainer.cache, AWS_ENDPOINT_URL=proxy.endpoint))
+  return trainer.start(
+      workdir, *FLAGS, f'--remote={url}', *flags, env={'AWS_ENDPOINT_URL': proxy.endpoint})
 
 
 def _stop(proc: subprocess.Popen) -> str:

@@ -8,7 +8,6 @@ import http.server
 import json
 import shutil
 import signal
-import subprocess
 import threading
 import time
 
@@ -16,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, events_of, jaxckpt_cli, subprocess_env, wait_for
+from conftest import events_of, jaxckpt_cli, wait_for
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, layout
 from jaxckpt.checkpoint.remote import Lease, LeaseError, Store, Uploader, objects
 
@@ -186,16 +185,6 @@ class LoggingProxy:
     self._server.server_close()
 
 
-def _start(trainer, workdir, *flags, env=None):
-  return subprocess.Popen(
-      trainer.command(workdir, *flags),
-      cwd=REPO,
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-      env=subprocess_env(trainer.cache, **(env or {})))
-
-
 def _uploaded(workdir) -> list[int]:
   if not (workdir / 'events.jsonl').exists():
     return []
@@ -210,14 +199,14 @@ def test_a_frozen_holder_writes_and_deletes_nothing_once_another_took_over(
   flags = ('--config.train.steps=100000', '--checkpoint_every=5', '--keep=2', f'--remote={url}',
            '--remote_lease_secs=3', '--stop_grace_secs=5')
   a_dir, b_dir = tmp_path / 'a', tmp_path / 'b'
-  a = _start(trainer, a_dir, *flags, env={'AWS_ENDPOINT_URL': proxy.endpoint})
+  a = trainer.start(a_dir, *flags, env={'AWS_ENDPOINT_URL': proxy.endpoint})
   b = None
   try:
     wait_for(lambda: any(s >= 10 for s in _uploaded(a_dir)), a)
     a.send_signal(signal.SIGSTOP)  # frozen: its lease goes stale, its requests wait
     holder = json.loads(store.read('LEASE'))
     wait_for(lambda: time.time() - holder['renewed_at'] > 3.5)
-    b = _start(trainer, b_dir, *flags)
+    b = trainer.start(b_dir, *flags)
     wait_for(lambda: json.loads(store.read('LEASE') or b'{}').get('id') not in (None, holder['id']),
              b)
     taken_over = time.monotonic()  # B holds the lease from at least here
