@@ -38,19 +38,8 @@ import safetensors.numpy
 import torch
 import torch.distributed.checkpoint as dcp
 
-from benchmarks.common import (
-    OtherLoad,
-    Timer,
-    fsync_tree,
-    median,
-    peak_rss_during,
-    plot_bars,
-    print_table,
-    settle,
-    state_nbytes,
-    synthetic_state,
-    write_results,
-)
+from benchmarks.common import (OtherLoad, Timer, fsync_tree, median, peak_rss_during, plot_bars,
+                               print_table, settle, state_nbytes, synthetic_state, write_results)
 
 BLOCK = 16 << 20  # 16 MiB: large enough that per-syscall cost vanishes, as dd bs=16M
 # Memory recycled before each timed operation, in state sizes: orbax's save peaks at ~1.8x the

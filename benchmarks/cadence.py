@@ -21,7 +21,7 @@ interruptions. Time goes to:
     interruption may strike during it too).
 
 Waste = wall time − training kept. `auto` is the trainer's own rule, run through the library's
-functions as `jaxckpt.save_cadence` calls them: M from the prior M0 = 6 h, read as 2
+functions as `jaxckpt.train.save_cadence` calls them: M from the prior M0 = 6 h, read as 2
 interruptions in 12 h, pooled with the interruptions so far (host losses included) over the
 running time up to each interrupted start's last commit, or its loss (`cadence.blend_mtbi`:
 (2·M0 + time) / (2 + n)), δ from noisy measurements of each save (σ = 30% lognormal; the first

@@ -43,8 +43,8 @@ import jax
 import numpy as np
 
 from benchmarks import baselines, format1
-from benchmarks.common import OtherLoad, RESULTS_DIR, peak_rss_during, plot_bars, print_table, \
-    write_results
+from benchmarks.common import (RESULTS_DIR, OtherLoad, peak_rss_during, plot_bars, print_table,
+                               write_results)
 from benchmarks.states import as_numpy, train_state
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions
 from jaxckpt.checkpoint.tree import named_leaves

@@ -116,6 +116,7 @@ class Skip(Exception):
 
 def describe_device() -> dict:
   import importlib.metadata
+
   import jax
   device = jax.devices()[0]
   versions = {}
@@ -167,8 +168,8 @@ def trainer_command(config: str, workdir: Path, steps: int, every: int, *extra: 
 
 def tokens_per_second(workdir: Path, config: str, skip: int = 20) -> float:
   """From the loss history's timestamps, leaving out the first steps (compilation)."""
-  from jaxckpt import provenance
-  from jaxckpt.runlog import read_loss_history
+  from jaxckpt.records import provenance
+  from jaxckpt.records.runlog import read_loss_history
   cfg = provenance.load_config_file(config)
   rows = read_loss_history(workdir)
   steps = sorted(rows)[skip:-1]  # the last step also waits for the final checkpoint
@@ -232,9 +233,10 @@ def blocking(config: str) -> dict:
   import jax
   import numpy as np
   import orbax.checkpoint as ocp
-  from jaxckpt import provenance
+
   from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions
-  from jaxckpt.trainer import build_trainer
+  from jaxckpt.records import provenance
+  from jaxckpt.train.state import build_trainer
   trainer = build_trainer(provenance.load_config_file(config))
   state = trainer.init_fn(jax.random.key(0))
   jax.block_until_ready(state)

@@ -20,15 +20,8 @@ import time
 
 from benchmarks import baselines
 from benchmarks.checkpoint import jaxckpt_contender, options, variant_name, warm_up
-from benchmarks.common import (
-    OtherLoad,
-    RESULTS_DIR,
-    median,
-    plot_bars,
-    print_table,
-    settle,
-    write_results,
-)
+from benchmarks.common import (RESULTS_DIR, OtherLoad, median, plot_bars, print_table, settle,
+                               write_results)
 from benchmarks.save_phases import SavePhases
 from benchmarks.states import as_numpy, train_state
 from jaxckpt.checkpoint import CheckpointManager

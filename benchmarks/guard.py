@@ -13,8 +13,8 @@ import jax
 
 from benchmarks.common import median, print_table, write_results
 from configs import andrea_12m, tiny
-from jaxckpt import data as data_lib
-from jaxckpt import trainer as trainer_lib
+from jaxckpt.model import data as data_lib
+from jaxckpt.train import state as trainer_lib
 
 CONFIGS = {'tiny': tiny, '12m': andrea_12m}
 

@@ -28,16 +28,8 @@ import psutil
 
 from benchmarks import baselines
 from benchmarks.checkpoint import options, variant_name, warm_up
-from benchmarks.common import (
-    OtherLoad,
-    RESULTS_DIR,
-    _release_free_heap,
-    median,
-    peak_rss_during,
-    plot_bars,
-    print_table,
-    write_results,
-)
+from benchmarks.common import (RESULTS_DIR, OtherLoad, _release_free_heap, median, peak_rss_during,
+                               plot_bars, print_table, write_results)
 from benchmarks.states import train_state
 from jaxckpt.checkpoint import CheckpointManager
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.overhead --steps=60 --every=15 --batch=4 --repeats=1
 
-Each run is `jaxckpt.train.train_and_evaluate(config, fresh_workdir)` in this process: the
+Each run is `jaxckpt.train.loop.train_and_evaluate(config, fresh_workdir)` in this process: the
 trainer's own loop, with its metric flushes before each save, the async manager (mode `auto`,
 which is async here), retention (keep 3) and its run records. Runs alternate off, on, off, on...
 so that drift in the machine's load falls on both.
@@ -36,10 +36,10 @@ from pathlib import Path
 
 import jax
 
-from benchmarks.common import OtherLoad, RESULTS_DIR, median, plot_bars, print_table, \
-    write_results
+from benchmarks.common import RESULTS_DIR, OtherLoad, median, plot_bars, print_table, write_results
 from benchmarks.states import get_config
-from jaxckpt import runlog, train
+from jaxckpt.records import runlog
+from jaxckpt.train import loop as train
 
 TARGET = 0.98
 COLUMNS = [

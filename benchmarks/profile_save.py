@@ -33,7 +33,7 @@ import jax
 
 from benchmarks import baselines
 from benchmarks.checkpoint import options, variant_name, warm_up
-from benchmarks.common import OtherLoad, RESULTS_DIR, median, print_table, write_results
+from benchmarks.common import RESULTS_DIR, OtherLoad, median, print_table, write_results
 from benchmarks.save_phases import SavePhases
 from benchmarks.states import train_state
 from jaxckpt.checkpoint import CheckpointManager

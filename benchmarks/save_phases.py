@@ -19,9 +19,7 @@ import os
 import threading
 import time
 
-from jaxckpt.checkpoint import layout, manager, manifest, staging
-from jaxckpt.checkpoint import atomic
-from jaxckpt.checkpoint import orbaxstore
+from jaxckpt.checkpoint import atomic, layout, manager, manifest, orbaxstore, staging
 
 try:  # jaxckpt's own flat-file array store (storage='raw'), where this jaxckpt has one
   from jaxckpt.checkpoint import rawstore

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from jaxckpt.checkpoint.tree import leaf_name, named_leaves
-from jaxckpt import trainer as trainer_lib
+from jaxckpt.train import state as trainer_lib
 
 REPO = Path(__file__).resolve().parent.parent
 # Short names used on the command lines of every benchmark -> module under configs/.

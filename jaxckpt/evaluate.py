@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxckpt import identity
-from jaxckpt import model as model_lib
 from jaxckpt.checkpoint import atomic, named_leaves
 from jaxckpt.errors import CheckpointError, ConfigError, UsageError
-from jaxckpt.workdir import EVALUATED, checkpoints_dir
+from jaxckpt.export import frozen
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.records.workdir import EVALUATED, checkpoints_dir
 
 
 def _is_params(name: str) -> bool:
@@ -71,7 +71,8 @@ class Evaluator:
   # -------------------------------------------------------------------------- the model
   def _trainer_and_data(self, saved_config: dict[str, Any]):
     import ml_collections
-    from jaxckpt import data as data_lib
+
+    from jaxckpt.model import data as data_lib
     base = self.config.to_dict() if self.config is not None else {}
     config = ml_collections.ConfigDict(_merge(base, saved_config))
     key = _eval_key(config)
@@ -112,7 +113,7 @@ class Evaluator:
 
   def evaluate(self, step: int, path: Path, meta: dict[str, Any]) -> float | None:
     """The held-out loss of one checkpoint, recorded; None when it vanished or is damaged."""
-    from jaxckpt import trainer as trainer_lib
+    from jaxckpt.train import state as trainer_lib
     trainer, dataset = self._trainer_and_data(meta.get('config') or {})
     abstract = trainer.abstract_state().params
     excluded = {t['name'] for t in meta.get('excluded') or []}
@@ -120,7 +121,7 @@ class Evaluator:
     target = {n: x for n, x in named_leaves({'params': abstract}).items() if n not in excluded}
     try:
       flat, _ = self.mgr.restore(path, target, only=_is_params)
-      from_file = identity.read_excluded(path, meta)
+      from_file = frozen.read_excluded(path, meta)
     # What reading files that vanish can raise: jaxckpt's own errors, the OS's, and tensorstore's
     # (ValueError, for an orbax checkpoint). Anything else is a bug, raised whatever happened.
     except (CheckpointError, OSError, ValueError) as e:
@@ -212,7 +213,8 @@ def _eval_key(config) -> str:
 def _build_trainer(config):
   """A trainer on this machine's devices: the run's mesh when it fits, else one device."""
   import jax
-  from jaxckpt import trainer as trainer_lib
+
+  from jaxckpt.train import state as trainer_lib
   if _mesh_fits_here(config):
     return trainer_lib.build_trainer(config)
   config.mesh.data, config.mesh.model = 1, 1
@@ -223,7 +225,7 @@ def _mesh_fits_here(config) -> bool:
   """Whether the run's mesh can be made from this process's devices and splits its model and
   batch evenly: false for a run written on more devices than this process has, or whose `-1`
   axis spans more devices here than its batch or model splits over."""
-  from jaxckpt import sharding
+  from jaxckpt.model import sharding
   try:
     sharding.check_divisible(config.model, config.train.batch_size, sharding.make_mesh(config.mesh))
   except ConfigError:  # E-CONFIG-002 or -003, the only errors of these two checks

@@ -13,11 +13,11 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxckpt import provenance as provenance_lib
-from jaxckpt.cli import parser, trainer_flags
 from jaxckpt.checkpoint import signals
+from jaxckpt.cli import parser, trainer_flags
 from jaxckpt.errors import UsageError
-from jaxckpt.save_cadence import EveryFlagParser
+from jaxckpt.records import provenance as provenance_lib
+from jaxckpt.train.save_cadence import EveryFlagParser
 
 FLAGS = flags.FLAGS
 trainer_flags.define_config_file('config', 'Path to a config file (configs/*.py).')
@@ -133,7 +133,7 @@ def train_from_flags(argv, watcher: signals.PreemptionWatcher | None = None) -> 
       config_flags.get_config_filename(FLAGS['config']),
       flagged=provenance_lib.flagged_fields(FLAGS, FLAG_FIELDS))
   resume = FLAGS.resume or os.environ.get('JAXCKPT_RESUME') or 'latest'
-  from jaxckpt import distributed  # joins the job before anything touches the devices
+  from jaxckpt.hosts import distributed  # joins the job before anything touches the devices
   distributed.initialize(
       FLAGS.coordinator_address,
       FLAGS.num_processes,
@@ -142,7 +142,7 @@ def train_from_flags(argv, watcher: signals.PreemptionWatcher | None = None) -> 
       timeout_secs=FLAGS.barrier_timeout_secs,
       init_timeout_secs=FLAGS.init_timeout_secs,
       stop_signal=lambda: watcher and watcher.stop_signal)
-  from jaxckpt import train  # after flag parsing: jax is slow to import
+  from jaxckpt.train import loop as train  # after flag parsing: jax is slow to import
   train.train_and_evaluate(
       config,
       FLAGS.workdir,

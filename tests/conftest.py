@@ -167,8 +167,8 @@ def assert_same_bytes(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> Non
 
 
 def read_events(workdir) -> list[dict]:
-  from jaxckpt.runlog import read_jsonl
-  from jaxckpt.workdir import EVENTS
+  from jaxckpt.records.runlog import read_jsonl
+  from jaxckpt.records.workdir import EVENTS
   return read_jsonl(Path(workdir) / EVENTS)
 
 
@@ -179,7 +179,7 @@ def events_of(workdir, name: str) -> list[dict]:
 
 def losses(workdir) -> dict[int, float]:
   """{step: loss} of the run's loss history (the newest segment's value of a replayed step)."""
-  from jaxckpt.runlog import read_loss_history
+  from jaxckpt.records.runlog import read_loss_history
   return {step: row['loss'] for step, row in read_loss_history(workdir).items()}
 
 
@@ -214,7 +214,7 @@ def call_cli(argv, capsys):
 
 def tiny_config(**fields):
   """configs/tiny.py with `fields` ('train.lr': 5e-4) changed, as a flag would."""
-  from jaxckpt import provenance
+  from jaxckpt.records import provenance
   config = provenance.load_config_file(TINY)
   for name, value in fields.items():
     *parents, leaf = name.split('.')
@@ -252,7 +252,8 @@ def make_state(mesh, seed: int = 0) -> dict:
   Adam-like moments sharded as the params and a bfloat16 leaf on one device."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
   w = jax.device_put(
       jax.random.normal(jax.random.key(seed), (8, 16)), NamedSharding(mesh, P('data', 'model')))
   b = jax.device_put(jnp.arange(16, dtype=jnp.float32), NamedSharding(mesh, P('model')))

@@ -5,7 +5,6 @@ checkpoints untouched. A new case is a new row."""
 from pathlib import Path
 
 import pytest
-
 from conftest import committed_steps
 
 RUN = ('--config.train.steps=10', '--checkpoint_every=5')

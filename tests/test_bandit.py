@@ -1,8 +1,8 @@
 import pytest
 
 from configs import default
-from jaxckpt import bandit
 from jaxckpt.errors import ConfigError
+from jaxckpt.model import bandit
 
 
 def cfg(**overrides):

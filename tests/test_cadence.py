@@ -6,13 +6,13 @@ import math
 import signal
 
 import pytest
-
 from conftest import committed_steps, events_of, tiny_config, wait_for
+
 from jaxckpt.checkpoint import ArgumentError, cadence
 from jaxckpt.checkpoint.options import CommitInfo
 from jaxckpt.errors import ConfigError
-from jaxckpt.runlog import RunLog, read_status
-from jaxckpt.save_cadence import ENDS, EveryFlagParser, SaveCadence, read_history
+from jaxckpt.records.runlog import RunLog, read_status
+from jaxckpt.train.save_cadence import ENDS, EveryFlagParser, SaveCadence, read_history
 
 MIN, HOUR, DAY = 60.0, 3600.0, 86400.0
 
@@ -108,7 +108,7 @@ def test_epoch_boundaries():
 
 
 def test_config_checks_the_cadence_fields():
-  from jaxckpt.config import cadence_options, checkpoint_options, validate_config
+  from jaxckpt.train.config import cadence_options, checkpoint_options, validate_config
   assert checkpoint_options(tiny_config(**{'checkpoint.every': 'auto'})).every_steps == 0
   assert cadence_options(tiny_config()).mtbi_s == cadence.DEFAULT_MTBI_S == 6 * HOUR
   assert cadence_options(tiny_config(**{'checkpoint.mtbi': '30d'})).mtbi_s == 30 * DAY
@@ -184,7 +184,7 @@ def commit(step, seconds_to_commit=0.05):
 
 def auto_cadence(tmp_path, **fields):
   config = tiny_config(**{'checkpoint.every': 'auto', **fields})
-  from jaxckpt.config import cadence_options
+  from jaxckpt.train.config import cadence_options
   clock = Clock()
   runlog = RunLog(tmp_path)
   c = SaveCadence(
@@ -344,7 +344,7 @@ def test_two_sigkills_in_a_row_shorten_the_interval(trainer, tmp_path):
 
 
 def test_checkpoint_epochs_saves_where_an_epoch_ends(trainer, tmp_path):
-  from jaxckpt import data
+  from jaxckpt.model import data
   dataset = data.from_config(tiny_config())
   ends = [
       s for s in range(1, 141) if math.floor(dataset.epoch(s)) > math.floor(dataset.epoch(s - 1))

@@ -12,7 +12,6 @@ import signal
 import time
 
 import pytest
-
 from conftest import assert_same_bytes, checkpoint_arrays, events_of, losses, wait_for
 
 SHORT_STEPS = 150

@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
 from conftest import REPO, abstract, make_state
-from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, committed_steps
-from jaxckpt.checkpoint import atomic, layout, staging
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxckpt.checkpoint import (CheckpointManager, CheckpointOptions, atomic, committed_steps,
+                                layout, staging)
 from jaxckpt.errors import CheckpointError
 
 

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, committed_steps, events_of, flip_a_data_byte, jaxckpt_cli
+
 from jaxckpt.checkpoint import discovery, layout, manifest
 
 FLAGS = ('--config.train.steps=20', '--checkpoint_every=10')

@@ -8,9 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
 from conftest import events_of, state_file
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, manifest, staging
 
 

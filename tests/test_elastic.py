@@ -3,7 +3,6 @@
 import signal
 
 import numpy as np
-
 from conftest import committed_steps, events_of, losses, wait_for
 
 STEPS = 200

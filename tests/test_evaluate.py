@@ -11,14 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import REPO, TINY, abstract, committed_steps, jaxckpt_cli, make_state, subprocess_env
 
-from conftest import (REPO, TINY, abstract, committed_steps, jaxckpt_cli, make_state,
-                      subprocess_env)
-from jaxckpt import cli, evaluate, identity
+from jaxckpt import cli, evaluate
 from jaxckpt.checkpoint import CheckpointManager, layout, manifest
 from jaxckpt.errors import CheckpointError, ConfigError
-from jaxckpt import provenance
-from jaxckpt import workdir as workdir_lib
+from jaxckpt.export import frozen
+from jaxckpt.records import provenance
+from jaxckpt.records import workdir as workdir_lib
 
 STEPS, EVERY = 60, 10
 
@@ -209,7 +209,7 @@ def test_a_mesh_that_does_not_fit_here_falls_back_to_one_device():
 
 
 def test_any_other_config_error_is_raised_not_retried_on_one_device(monkeypatch):
-  from jaxckpt import trainer as trainer_lib
+  from jaxckpt.train import state as trainer_lib
 
   def refuse(train_cfg):
     raise ConfigError('E-CONFIG-001', 'train.b1=2.0 must be below 1', 'set --config.train.b1')
@@ -259,7 +259,7 @@ def test_a_bug_while_evaluating_is_raised_even_if_the_checkpoint_vanished(one_pe
     shutil.rmtree(step_dir)
     raise TypeError('a bug in the reader')  # not the deletion's doing: it must surface
 
-  monkeypatch.setattr(identity, 'read_excluded', vanish_then_fail)
+  monkeypatch.setattr(frozen, 'read_excluded', vanish_then_fail)
   with pytest.raises(TypeError, match='a bug in the reader'):
     ev.evaluate(step, path, meta)
   assert not warnings

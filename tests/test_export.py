@@ -23,11 +23,12 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-
 from conftest import REPO, hf_logits, read_arrays
-from jaxckpt import model as model_lib, names
+
 from jaxckpt.errors import CheckpointError, ResumeError, UsageError
 from jaxckpt.export import flatbin, hf, offline, safetensors_io
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.model import names
 
 TINY_MODEL = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=32, dtype='float32')
 
@@ -229,7 +230,7 @@ def test_write_bin_refuses_more_params_than_int32(tmp_path):
 _WRITER = """
 import os, sys, time
 import numpy as np
-from jaxckpt import model as model_lib
+from jaxckpt.model import gpt as model_lib
 from jaxckpt.export import flatbin, hf
 kind, out, marker = sys.argv[1], sys.argv[2], sys.argv[3]
 real_fsync = os.fsync

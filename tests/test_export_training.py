@@ -13,14 +13,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import (TINY, assert_same_bytes, checkpoint_arrays, committed_steps, events_of,
                       hf_logits, jaxckpt_cli, losses, read_arrays, tiny_config)
+
 from jaxckpt.errors import ConfigError, ResumeError
-from jaxckpt import model as model_lib
 from jaxckpt.export import during_training, flatbin, safetensors_io
-from jaxckpt.runlog import read_status
-from jaxckpt import resume
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.records.runlog import read_status
+from jaxckpt.train import resume
 
 STEPS = 60
 RUN_FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=10', '--keep=0',

@@ -12,10 +12,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import committed_steps, events_of, wait_for
+
 from jaxckpt.checkpoint import manifest
-from jaxckpt.runlog import read_status
+from jaxckpt.records.runlog import read_status
 
 # The tiny config's checkpoint is 1.66 MB: 6 MB holds three of them and the records, not four.
 DISK_KB = 6 * 1024

@@ -14,16 +14,18 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from conftest import (assert_same_bytes, checkpoint_arrays, committed_steps, events_of, jaxckpt_cli,
                       losses, read_arrays, tiny_config, wait_for)
-from jaxckpt import identity, init_from, model as model_lib, train
+
 from jaxckpt.checkpoint.tree import named_leaves
 from jaxckpt.errors import ConfigError, ResumeError
 from jaxckpt.export import safetensors_io
-from jaxckpt import trainer as trainer_lib
-from jaxckpt import config as config_lib
-from jaxckpt import provenance
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.records import identity, provenance
+from jaxckpt.train import config as config_lib
+from jaxckpt.train import init_from
+from jaxckpt.train import loop as train
+from jaxckpt.train import state as trainer_lib
 
 STEPS = 30
 FROZEN = ('wte.*', 'wpe.*')

@@ -10,16 +10,15 @@ from pathlib import Path
 
 import jax
 import pytest
-
 from conftest import REPO, call_cli, subprocess_env
-from jaxckpt import identity, model as model_lib
-from jaxckpt.checkpoint import CheckpointManager, layout, manifest
+
+from jaxckpt.checkpoint import CheckpointManager, discovery, layout, manifest
 from jaxckpt.checkpoint.tree import avals, named_leaves, tensor_table
-from jaxckpt.errors import ArgumentError, CheckpointError
-from jaxckpt import trainer as trainer_lib
-from jaxckpt import provenance
-from jaxckpt.checkpoint import discovery
 from jaxckpt.cli import inspect_command
+from jaxckpt.errors import ArgumentError, CheckpointError
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.records import identity, provenance
+from jaxckpt.train import state as trainer_lib
 
 STEP_10, STEP_20 = layout.step_dirname(10), layout.step_dirname(20)
 

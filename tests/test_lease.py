@@ -22,11 +22,11 @@ import threading
 import time
 
 import pytest
-
 from condition_proxy import ConditionProxy
 from conftest import REPO, committed_steps, events_of, wait_for
+
 from jaxckpt.checkpoint.remote import Lease, LeaseError, Store, objects
-from jaxckpt.runlog import read_status
+from jaxckpt.records.runlog import read_status
 
 REFUSED = ('ignores conditional writes, so one writer per prefix cannot be enforced; use a store '
            'that honours them, or pass --remote_lease=off')

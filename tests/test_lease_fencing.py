@@ -13,8 +13,9 @@ import time
 
 from condition_proxy import ConditionProxy
 from conftest import committed_steps, events_of, jaxckpt_cli, wait_for
+
 from jaxckpt.checkpoint.remote import Store
-from jaxckpt.runlog import read_status
+from jaxckpt.records.runlog import read_status
 
 TTL = 6
 FLAGS = ('--config.train.steps=100000', '--checkpoint_every=10', '--keep=2',

@@ -9,10 +9,9 @@ import shutil
 
 import jax.numpy as jnp
 import pytest
-
 from conftest import call_cli, committed_steps, jaxckpt_cli, wait_for
-from jaxckpt.checkpoint import discovery
-from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, layout, manifest
+
+from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, discovery, layout, manifest
 
 
 def state(value: float):

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from configs import andrea_12m, andrea_120m, tiny
-from jaxckpt import data, model, sharding
 from jaxckpt.errors import ConfigError
-from jaxckpt import trainer as trainer_lib
+from jaxckpt.model import data, sharding
+from jaxckpt.model import gpt as model
+from jaxckpt.train import state as trainer_lib
 
 
 def test_parameter_counts_of_the_named_configs():

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-
 from conftest import TINY, assert_same_bytes, finish_processes, start_processes
 
 SPECS = {  # name: (shape, dtype, partition spec over ('data', 'model'))
@@ -46,7 +45,9 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
   jax.config.update('jax_enable_preemption_service', False)
   if count > 1:
     jax.distributed.initialize(coordinator, num_processes=count, process_id=process)
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
   from jaxckpt.checkpoint import CheckpointError, CheckpointManager, CheckpointOptions
   devices = jax.devices()
   mesh = Mesh(np.asarray(devices).reshape(len(devices) // 2, 2), ('data', 'model'))
@@ -111,8 +112,9 @@ def step_dir(tmp, step: int) -> Path:
 
 def test_four_processes_write_their_shards_once_and_restore_on_two_then_one(
     tmp_path, compile_cache):
-  from jaxckpt.checkpoint.formats import read_host_arrays
   from safetensors.numpy import load_file
+
+  from jaxckpt.checkpoint.formats import read_host_arrays
   assert_all_ok(run(tmp_path, compile_cache, 'save', 4, '1'), 'saved')
   meta = json.loads((step_dir(tmp_path, 1) / 'manifest.json').read_text())
   files = [f'state/process_{k}.safetensors' for k in range(4)]

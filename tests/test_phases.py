@@ -5,12 +5,12 @@ import json
 import pytest
 
 from configs import tiny
-from jaxckpt import phases
-from jaxckpt.errors import ConfigError
-from jaxckpt.runlog import RunLog
-from jaxckpt import config as config_lib
-from jaxckpt import workdir as workdir_lib
 from jaxckpt.checkpoint import atomic
+from jaxckpt.errors import ConfigError
+from jaxckpt.records import phases
+from jaxckpt.records import workdir as workdir_lib
+from jaxckpt.records.runlog import RunLog
+from jaxckpt.train import config as config_lib
 
 
 @pytest.mark.parametrize('keep, rounds', [(0, []), (2, [3, 4])])

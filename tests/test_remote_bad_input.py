@@ -16,7 +16,6 @@ import sys
 import time
 
 import pytest
-
 from conftest import committed_steps, events_of, free_port
 
 RUN = ('--config.train.steps=5', '--checkpoint_every=1')

@@ -1,9 +1,9 @@
 """`jaxckpt inspect|verify|export|evaluate` take the URL of a remote run or checkpoint."""
 
 import pytest
+from conftest import assert_same_bytes, jaxckpt_cli
 from safetensors.numpy import load_file
 
-from conftest import assert_same_bytes, jaxckpt_cli
 from jaxckpt.checkpoint.remote import Store, objects
 
 

@@ -14,8 +14,8 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import events_of, jaxckpt_cli, wait_for
+
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, layout
 from jaxckpt.checkpoint.remote import Lease, LeaseError, Store, Uploader, objects
 

@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import (TINY, assert_same_bytes, committed_steps, events_of, finish_processes, losses,
                       start_processes, wait_for)
+
 from jaxckpt.checkpoint.formats import read_host_arrays
 from jaxckpt.checkpoint.remote import Store, StoreError, objects
 

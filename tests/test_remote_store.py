@@ -8,8 +8,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import wait_for
+
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, layout
 from jaxckpt.checkpoint.errors import CheckpointError
 from jaxckpt.checkpoint.remote import Lease, LeaseError, Store, StoreError, Uploader, objects

@@ -12,12 +12,12 @@ import threading
 import time
 
 import pytest
-
 from conftest import (assert_same_bytes, checkpoint_arrays, committed_steps, events_of, jaxckpt_cli,
                       losses, wait_for)
-from jaxckpt.checkpoint.remote import Store, StoreError, objects
+
 from jaxckpt.checkpoint.errors import CheckpointError
-from jaxckpt.runlog import read_status
+from jaxckpt.checkpoint.remote import Store, StoreError, objects
+from jaxckpt.records.runlog import read_status
 
 STEPS = 160
 RUN_FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=10',

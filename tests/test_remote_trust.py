@@ -25,13 +25,13 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import (REPO, committed_steps, events_of, flip_a_data_byte, jaxckpt_cli, read_events,
                       wait_for)
+
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, layout
 from jaxckpt.checkpoint.errors import CheckpointError
 from jaxckpt.checkpoint.remote import Store, objects
-from jaxckpt.runlog import read_status
+from jaxckpt.records.runlog import read_status
 
 META = 'checkpoints/step_00000002/remote.json'
 LOSS = b'{"step": 1, "loss": 2.5}\n' * 40

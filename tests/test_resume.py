@@ -10,10 +10,10 @@ import shutil
 import signal
 
 import pytest
-
 from conftest import (TWO_SOURCES, assert_same_bytes, checkpoint_arrays, committed_steps, events_of,
                       flip_a_data_byte, jaxckpt_cli, losses, read_events, wait_for)
-from jaxckpt.runlog import read_status
+
+from jaxckpt.records.runlog import read_status
 
 STEPS = 80
 KILL_AFTER = 20

@@ -7,11 +7,11 @@ retention on a path store.
 import json
 
 import jax.numpy as jnp
-
 from conftest import committed_steps, events_of, flip_a_data_byte, jaxckpt_cli, read_events
+
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, RetentionPolicy, layout
 from jaxckpt.checkpoint.remote import Store, Uploader, objects
-from jaxckpt.workdir import WorkdirLock
+from jaxckpt.records.workdir import WorkdirLock
 
 
 def _ckpt(workdir, step):

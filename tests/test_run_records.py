@@ -6,11 +6,11 @@ import signal
 import socket
 
 import pytest
-
 from conftest import TWO_SOURCES, committed_steps, events_of, jaxckpt_cli, wait_for
-from jaxckpt.workdir import WorkdirLock
+
 from jaxckpt.errors import UsageError
-from jaxckpt.runlog import read_loss_history, read_status
+from jaxckpt.records.runlog import read_loss_history, read_status
+from jaxckpt.records.workdir import WorkdirLock
 
 
 def test_a_second_writer_is_refused_naming_the_holder(trainer, tmp_path):
@@ -115,8 +115,9 @@ def test_a_save_that_fails_while_the_run_stops_for_another_error_is_reported(
   import threading
 
   from conftest import tiny_config
-  from jaxckpt import train
+
   from jaxckpt.checkpoint import statefile
+  from jaxckpt.train import loop as train
 
   sampled = threading.Event()
 

@@ -1,6 +1,6 @@
 import json
 
-from jaxckpt.runlog import LOSSES, RunLog, read_jsonl, read_loss_history, read_status
+from jaxckpt.records.runlog import LOSSES, RunLog, read_jsonl, read_loss_history, read_status
 
 
 def test_a_line_cut_by_a_crash_costs_only_itself(tmp_path):

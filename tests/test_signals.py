@@ -8,10 +8,10 @@ import textwrap
 import time
 
 import pytest
-
 from conftest import REPO, committed_steps, events_of, subprocess_env, wait_for
+
 from jaxckpt.checkpoint import signals
-from jaxckpt.runlog import read_loss_history, read_status
+from jaxckpt.records.runlog import read_loss_history, read_status
 
 STEPS = 400
 FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=50', '--config.train.log_every=5',

@@ -9,11 +9,11 @@ import sys
 import threading
 
 import pytest
-
 from conftest import REPO, TINY, finish_processes, start_processes, subprocess_env
 
-from jaxckpt import data, joining
 from jaxckpt.errors import UsageError
+from jaxckpt.hosts import joining
+from jaxckpt.model import data
 
 
 def argv(workdir, count: int, *flags: str, ids=None):
@@ -168,7 +168,7 @@ def test_join_raises_what_initialize_raised():
 
 def test_a_hung_join_ends_at_the_timeout_with_one_line():
   """A real `join` whose initialize never returns, in a child process: E-DIST-005, exit 1."""
-  code = ('import threading; from jaxckpt import joining; '
+  code = ('import threading; from jaxckpt.hosts import joining; '
           "joining.join(threading.Event().wait, address='127.0.0.1:9', count=2, index=0, "
           'timeout_secs=1)')
   r = subprocess.run([sys.executable, '-c', code],

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import safetensors.numpy
 import safetensors.torch
-from jax.sharding import SingleDeviceSharding
-
 from conftest import (REPO, TINY, assert_same_bytes, checkpoint_arrays, committed_steps, events_of,
                       jaxckpt_cli, read_arrays, state_file)
+from jax.sharding import SingleDeviceSharding
+
 from jaxckpt.checkpoint import CheckpointManager, manifest
 
 FIXTURE = REPO / 'tests' / 'fixtures' / 'format1' / 'step_00000004'

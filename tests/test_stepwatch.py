@@ -1,4 +1,4 @@
-"""The step watchdog (`jaxckpt.stepwatch`): its timeout, and a real hang in one process.
+"""The step watchdog (`jaxckpt.hosts.stepwatch`): its timeout, and a real hang in one process.
 
 The hang across processes (a peer stopped mid-collective) is in test_multihost_trainer.py.
 """
@@ -8,18 +8,17 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
-from jaxckpt import stepwatch
 from jaxckpt.errors import UsageError
+from jaxckpt.hosts import stepwatch
 
 # A process whose main thread never comes back from a call into C (as from a hung collective):
 # past the warm-up, it has done step 4 and waits for good inside step 5.
 HUNG = """
 import sys, threading
-from jaxckpt import stepwatch
-from jaxckpt.runlog import RunLog
+from jaxckpt.hosts import stepwatch
+from jaxckpt.records.runlog import RunLog
 with stepwatch.watching({timeout}, RunLog(sys.argv[1]), 2):
   stepwatch.beat(3)  # the warm-up steps
   stepwatch.beat(4)

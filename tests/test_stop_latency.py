@@ -11,7 +11,8 @@ import signal
 import time
 
 from conftest import committed_steps, events_of, wait_for
-from jaxckpt.runlog import read_status
+
+from jaxckpt.records.runlog import read_status
 
 LOG_EVERY = 25
 SLOW = ('--config.train.steps=3000', '--config.train.batch_size=512',

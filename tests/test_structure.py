@@ -82,6 +82,40 @@ def test_modules_are_short_enough_to_read():
   assert not long, long
 
 
+# The trainer's rooms, from the top down. A module imports only from its own layer or the layers
+# below it; `hosts` and `export` sit side by side and import nothing of each other.
+LAYERS = (
+    ('jaxckpt.main', 'jaxckpt.cli', 'jaxckpt.evaluate'),
+    ('jaxckpt.train',),
+    ('jaxckpt.hosts', 'jaxckpt.export'),
+    ('jaxckpt.records',),
+    ('jaxckpt.model',),
+    ('jaxckpt.errors', 'jaxckpt.checkpoint'),
+)
+
+
+def room_of(module: str) -> tuple[int, str]:
+  for rank, rooms in enumerate(LAYERS):
+    for room in rooms:
+      if module == room or module.startswith(room + '.'):
+        return rank, room
+  return -1, module  # the package itself (`jaxckpt/__init__.py`)
+
+
+def test_imports_flow_one_way_through_the_rooms():
+  """cli -> train -> hosts | export -> records -> model -> checkpoint, and never back up."""
+  upward = []
+  for module, targets in import_graph().items():
+    rank, room = room_of(module)
+    for target in targets:
+      to_rank, to_room = room_of(target)
+      if to_rank == -1 or rank == -1:
+        continue
+      if to_rank < rank or {room, to_room} == {'jaxckpt.hosts', 'jaxckpt.export'}:
+        upward.append(f'{module} -> {target}')
+  assert not upward, sorted(upward)
+
+
 STANDALONE = """
 import sys
 import jax, jax.numpy as jnp, numpy as np

@@ -25,9 +25,9 @@ paying for jax.
 
 import importlib
 
+from .cadence import CadenceOptions
 from .errors import ArgumentError, CheckpointError
 from .layout import committed_steps, step_dirname
-from .cadence import CadenceOptions
 from .options import CheckpointOptions, CommitInfo
 from .policy import RetentionPolicy, SavePolicy
 

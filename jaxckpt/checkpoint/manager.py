@@ -30,13 +30,13 @@ import jax
 import numpy as np
 
 from . import atomic, layout, manifest, multihost, orbaxstore, retention, statefile
+from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file, read_state_file
+from .options import CheckpointOptions, CommitInfo
 from .policy import RetentionPolicy, SavePolicy
 from .staging import (DeviceSnapshot, HostStager, Unstaged, available_host_memory, choose_mode,
                       choose_staging)
 from .tree import avals, check_fits, named_leaves, tensor_table
-from .errors import CheckpointError
-from .options import CheckpointOptions, CommitInfo
 
 
 class CheckpointManager:

@@ -22,8 +22,8 @@ from jaxckpt.checkpoint.discovery import NOT_A_CHECKPOINT
 from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
 from jaxckpt.errors import JaxckptError, UsageError
-from jaxckpt.runlog import RunLog
-from jaxckpt.workdir import CHECKPOINTS, WorkdirLock
+from jaxckpt.records.runlog import RunLog
+from jaxckpt.records.workdir import CHECKPOINTS, WorkdirLock
 
 
 def main(argv: list[str]) -> int:

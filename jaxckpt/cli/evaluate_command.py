@@ -10,8 +10,8 @@ from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser, configure_logging
 from jaxckpt.errors import UsageError
 from jaxckpt.evaluate import Evaluator
-from jaxckpt.provenance import load_config_file
-from jaxckpt.workdir import EVALUATED, EvaluatorLock
+from jaxckpt.records.provenance import load_config_file
+from jaxckpt.records.workdir import EVALUATED, EvaluatorLock
 
 
 def main(argv: list[str]) -> int:

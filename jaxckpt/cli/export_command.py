@@ -6,11 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jaxckpt import provenance
 from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
 from jaxckpt.errors import UsageError
 from jaxckpt.export.offline import FORMATS, check_out, export_bin, export_checkpoint
+from jaxckpt.records import provenance
 
 
 def _parser():

@@ -18,11 +18,11 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
 
-from jaxckpt import names
 from jaxckpt.checkpoint import discovery, layout, manifest
 from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
 from jaxckpt.errors import CheckpointError, UsageError
+from jaxckpt.model import names
 
 _ITEMSIZE = {
     'bool': 1, 'int8': 1, 'uint8': 1, 'int16': 2, 'uint16': 2, 'float16': 2, 'bfloat16': 2,
@@ -128,7 +128,7 @@ def render(d: Mapping[str, Any]) -> str:
 
   knobs = d.get('knobs')
   if knobs is None and d.get('config') is not None:  # a manifest from before knob tables
-    from jaxckpt.identity import flatten_config
+    from jaxckpt.records.identity import flatten_config
     knobs = {k: {'value': v, 'source': '?'} for k, v in flatten_config(d['config']).items()}
   if knobs:
     lines += ['', f'knobs ({len(knobs)})']

@@ -1,10 +1,10 @@
-"""`jaxckpt pivot --workdir=DIR`: archive a stopped run's phase satellites (`jaxckpt.phases`)."""
+"""`jaxckpt pivot --workdir=DIR`: archive a stopped run's phase satellites (`jaxckpt.records.phases`)."""
 
 from __future__ import annotations
 
 from jaxckpt.cli.parser import ArgumentParser
-from jaxckpt.phases import pivot
-from jaxckpt.workdir import ARCHIVE
+from jaxckpt.records.phases import pivot
+from jaxckpt.records.workdir import ARCHIVE
 
 
 def main(argv: list[str]) -> int:

@@ -1,9 +1,9 @@
-"""`jaxckpt plot --workdir=DIR [--out=loss.png]`: the loss history as a PNG (`jaxckpt.plot`)."""
+"""`jaxckpt plot --workdir=DIR [--out=loss.png]`: the loss history as a PNG (`jaxckpt.records.plot`)."""
 
 from __future__ import annotations
 
 from jaxckpt.cli.parser import ArgumentParser
-from jaxckpt.plot import plot
+from jaxckpt.records.plot import plot
 
 
 def main(argv: list[str]) -> int:

@@ -37,12 +37,12 @@ from typing import Any, Mapping
 import numpy as np
 from absl import logging
 
-from jaxckpt import model as model_lib, names
-from jaxckpt.checkpoint import atomic, layout
-from jaxckpt.checkpoint import CommitInfo
+from jaxckpt.checkpoint import CommitInfo, atomic, layout
 from jaxckpt.errors import CheckpointError, ConfigError
 from jaxckpt.export import TMP_MARK, atomic_dir, flatbin, hf, safetensors_io, temporary_sibling
 from jaxckpt.export.offline import FORMATS, MODEL_FILE, OPTIMIZER_FILE, export_path
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.model import names
 
 _BIN_RE = re.compile(r'^step_(\d{6,})\.bin$')
 

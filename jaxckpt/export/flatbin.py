@@ -8,7 +8,7 @@ Layout, all little-endian, 8 + 12n bytes for n parameters:
     f32[n]  Adam m    same order
     f32[n]  Adam v    same order
 
-The canonical order is `jaxckpt.model.parameter_names(config.model)`: token and position
+The canonical order is `jaxckpt.model.gpt.parameter_names(config.model)`: token and position
 embeddings, then per layer attention and MLP, then the final LayerNorm and the output head.
 There are no names or shapes in the file, so reading it takes the model's shapes, and a file
 whose size is not 8 + 12n for them is refused (`E-BIN-001`). Writing streams the header and then
@@ -67,7 +67,7 @@ def write_bin(path: str | os.PathLike, step: int, params: Mapping[str, np.ndarra
   Args:
     path: the final file name (see `bin_name`).
     step: the step the state belongs to (int32).
-    params: {dotted name: array} in canonical order (`jaxckpt.model.flatten_params` gives it).
+    params: {dotted name: array} in canonical order (`jaxckpt.model.gpt.flatten_params` gives it).
     m, v: Adam's first and second moments with the same names and shapes; written in `params`'
       order whatever their own.
 

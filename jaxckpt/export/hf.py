@@ -5,7 +5,7 @@
     from transformers import GPT2LMHeadModel
     model = GPT2LMHeadModel.from_pretrained('exports/step_00000300/hf')
 
-jaxckpt's model is GPT-2 itself (see `jaxckpt.model`): kernels are stored (in, out) like GPT-2's
+jaxckpt's model is GPT-2 itself (see `jaxckpt.model.gpt`): kernels are stored (in, out) like GPT-2's
 `Conv1D` weights and the untied head (vocab, embed) like `lm_head.weight`, so the export only
 renames tensors, it never transposes. A tied head writes no `lm_head.weight` (transformers ties
 it to `transformer.wte.weight` itself) and sets `tie_word_embeddings`.
@@ -19,9 +19,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxckpt import model as model_lib
 from jaxckpt.errors import UsageError
 from jaxckpt.export import atomic_dir, atomic_file, safetensors_io
+from jaxckpt.model import gpt as model_lib
 
 CONFIG_FILE = 'config.json'
 WEIGHTS_FILE = 'model.safetensors'
@@ -119,7 +119,7 @@ def write_hf_dir(out_dir: str | os.PathLike,
 
   Args:
     out_dir: the directory to create or replace.
-    params: {dotted name: array} of `model_cfg`'s parameters (`jaxckpt.model.flatten_params`).
+    params: {dotted name: array} of `model_cfg`'s parameters (`jaxckpt.model.gpt.flatten_params`).
     model_cfg: `config.model` (a ConfigDict or a plain dict).
     metadata: extra string metadata for `model.safetensors` (e.g. the step).
   """

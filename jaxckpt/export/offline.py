@@ -22,12 +22,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxckpt import identity, names
-from jaxckpt import model as model_lib
 from jaxckpt.checkpoint import layout, manifest
 from jaxckpt.checkpoint.formats import data_file, read_host_arrays
 from jaxckpt.errors import CheckpointError, UsageError
-from jaxckpt.export import flatbin, hf, safetensors_io
+from jaxckpt.export import flatbin, frozen, hf, safetensors_io
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.model import names
 
 FORMATS = ('safetensors', 'hf', 'bin')
 MODEL_FILE = 'model.safetensors'
@@ -77,7 +77,7 @@ def read_checkpoint(step_dir: str | os.PathLike, model_cfg=None) -> dict[str, An
     found[kind][name] = array
   # Frozen parameters from an init_from file are not in the checkpoint: read them from the
   # pinned file, and give them the zero moments Adam starts from (they have none).
-  found['params'].update(identity.read_excluded(step_dir, meta))
+  found['params'].update(frozen.read_excluded(step_dir, meta))
   adam = bool(found['m'] and found['v'])
   for name in found['params'] if adam else ():
     for kind in ('m', 'v'):

@@ -127,7 +127,7 @@ def write_model(path: str | os.PathLike,
                 params: Mapping[str, np.ndarray],
                 *,
                 metadata: Mapping[str, object] | None = None) -> None:
-  """`model.safetensors`: {dotted name: array}, e.g. from `jaxckpt.model.flatten_params`."""
+  """`model.safetensors`: {dotted name: array}, e.g. from `jaxckpt.model.gpt.flatten_params`."""
   write_tensors(path, params, metadata=metadata)
 
 

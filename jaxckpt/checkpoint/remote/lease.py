@@ -26,8 +26,8 @@ crash), not waited for.
 from __future__ import annotations
 
 import json
-import math
 import logging
+import math
 import os
 import socket
 import threading

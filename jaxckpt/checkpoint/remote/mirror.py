@@ -22,8 +22,8 @@ from .. import atomic
 from ..atomic import TMP_MARK
 from ..checksum import crc32_combine
 from ..errors import CheckpointError
-from .objects import PARALLEL, PART_BYTES, _fetch_file, _never, _put_part, _run_bounded, part_keys
 from .bounds import MAX_PART_BYTES, MIN_PART_BYTES
+from .objects import PARALLEL, PART_BYTES, _fetch_file, _never, _put_part, _run_bounded, part_keys
 from .store import Store
 
 PARTS_INDEX = '.parts.json'

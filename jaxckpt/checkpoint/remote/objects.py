@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any, Callable, Collection, Mapping
 
 from .. import atomic, discovery, layout, manifest
-from .bounds import meta_problems, read_manifest, read_prefix, start_read
-from .bounds import short as read_was_short
 from ..checksum import crc32, crc32_combine
 from ..errors import CheckpointError
+from .bounds import meta_problems, read_manifest, read_prefix, start_read
+from .bounds import short as read_was_short
 from .lease import LeaseError
 from .store import Store, StoreError
 

@@ -25,11 +25,11 @@ from typing import Any, Callable, Mapping
 
 from ..errors import CheckpointError
 from ..policy import RetentionPolicy, manifest_fields, pins
+from .lease import Lease, LeaseError
 from .mirror import Mirror
 from .objects import (PART_BYTES, DamagedLocal, delete, holds, inspect, new_attempt, stale,
                       step_prefix, steps, upload)
 from .parts import OK, Parts, Superseded
-from .lease import Lease, LeaseError
 from .store import Store
 
 Records = Mapping[str, 'bytes | Callable[[], bytes]']

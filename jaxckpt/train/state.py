@@ -20,11 +20,12 @@ import ml_collections
 import numpy as np
 import optax
 
-from jaxckpt import data as data_lib
-from jaxckpt import identity, names, sharding
-from jaxckpt import model as model_lib
 from jaxckpt.checkpoint import named_leaves
 from jaxckpt.errors import JaxckptError
+from jaxckpt.model import data as data_lib
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.model import names, sharding
+from jaxckpt.records import identity
 
 
 @flax.struct.dataclass

@@ -35,8 +35,8 @@ from typing import Any, Callable, Iterable, Mapping
 from absl import flags, logging
 
 from jaxckpt.checkpoint import ArgumentError, CheckpointError, CommitInfo, cadence
-from jaxckpt.runlog import RunLog, read_jsonl
-from jaxckpt.workdir import EVENTS
+from jaxckpt.records.runlog import RunLog, read_jsonl
+from jaxckpt.records.workdir import EVENTS
 
 # Records that end a start of the trainer (a segment); a SIGKILLed one has none.
 ENDS = ('finished', 'interrupted', 'failed')

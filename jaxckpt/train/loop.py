@@ -25,30 +25,31 @@ import jax
 import ml_collections
 from absl import logging
 
-from jaxckpt import agreement, distributed, stepwatch
-from jaxckpt import data as data_lib
-from jaxckpt import identity, phases, provenance as provenance_lib
-from jaxckpt import resume as resume_lib
-from jaxckpt import init_from as init_from_lib
 from jaxckpt.checkpoint import CheckpointError, CheckpointManager, CommitInfo, signals
 from jaxckpt.checkpoint.manifest import commit_label
-from jaxckpt.config import cadence_options, checkpoint_options, validate_config
 from jaxckpt.errors import UsageError
 from jaxckpt.export import during_training
-from jaxckpt.remote_run import RemoteRun
-from jaxckpt.runlog import RunLog
-from jaxckpt.save_cadence import SaveCadence
-from jaxckpt.session import Session
-from jaxckpt.workdir import checkpoints_dir, exports_dir
-from jaxckpt.trainer import (TrainState, Trainer, build_trainer, check_finite, evaluate,
-                             generate_samples, make_schedule)
+from jaxckpt.hosts import agreement, distributed, stepwatch
+from jaxckpt.hosts.remote import RemoteRun
+from jaxckpt.model import data as data_lib
+from jaxckpt.records import identity, phases
+from jaxckpt.records import provenance as provenance_lib
+from jaxckpt.records.runlog import RunLog
+from jaxckpt.records.workdir import checkpoints_dir, exports_dir
+from jaxckpt.train import init_from as init_from_lib
+from jaxckpt.train import resume as resume_lib
+from jaxckpt.train.config import cadence_options, checkpoint_options, validate_config
+from jaxckpt.train.save_cadence import SaveCadence
+from jaxckpt.train.session import Session
+from jaxckpt.train.state import (Trainer, TrainState, build_trainer, check_finite, evaluate,
+                                 generate_samples, make_schedule)
 
 
 def run_identity(trainer: Trainer,
                  provenance: dict | None = None,
                  *,
                  init_from: dict[str, Any] | None = None) -> dict[str, Any]:
-  """What this run is, for every checkpoint's manifest (see `jaxckpt.identity`).
+  """What this run is, for every checkpoint's manifest (see `jaxckpt.records.identity`).
 
   `init_from` is the pin of the file initial weights come from (`init_from.pin`); trainable per
   parameter follows `config.train.frozen`.
@@ -114,7 +115,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                        step_timeout_secs: float | None = None) -> TrainState:
   """Train `config` in `workdir`, continuing the run there if there is one. Returns the state.
 
-  `provenance` ({'knobs', 'sources'} from `jaxckpt.provenance.provenance`) says where each config
+  `provenance` ({'knobs', 'sources'} from `jaxckpt.records.provenance.provenance`) says where each config
   value came from; it is recorded in every checkpoint's manifest. `watcher` is one `main`
   installed at start-up, for the whole process; without it, signals are watched while this runs.
 
@@ -282,7 +283,7 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
     saved.add(step)
     cadence.saved(step)
 
-  # Across processes: the same saves and the same stop on every one (`jaxckpt.agreement`).
+  # Across processes: the same saves and the same stop on every one (`jaxckpt.hosts.agreement`).
   agree = agreement.Agreement(watcher, step, clocked=mgr.options.every_secs > 0)
   # Steps are dispatched asynchronously. Unbounded, the loop would run up to `log_every` steps
   # ahead of the devices, and a stop signal, honoured at the step the loop reached, would wait

@@ -10,13 +10,14 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxckpt import bandit as bandit_lib
-from jaxckpt import data as data_lib
-from jaxckpt import identity, names
-from jaxckpt import model as model_lib
 from jaxckpt.checkpoint import CheckpointManager, CommitInfo, signals
-from jaxckpt.runlog import RunLog
-from jaxckpt.trainer import Trainer
+from jaxckpt.model import bandit as bandit_lib
+from jaxckpt.model import data as data_lib
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.model import names
+from jaxckpt.records import identity
+from jaxckpt.records.runlog import RunLog
+from jaxckpt.train.state import Trainer
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@
     versions   jaxckpt, python, jax, flax, optax, orbax, tensorstore, numpy
     pins       `pin_file`: size and sha256 of a file a run depends on (init_from)
 
-`jaxckpt.identity` compares them on resume: a changed knob or source is allowed and recorded.
+`jaxckpt.records.identity` compares them on resume: a changed knob or source is allowed and recorded.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def source_hashes(
     extra: Iterable[str | os.PathLike] = ()) -> dict[str, str]:
   """{path: sha256} of every module of the installed jaxckpt package and of the config file.
 
-  Package modules are named from the package's parent (`jaxckpt/model.py`); the config file and
+  Package modules are named from the package's parent (`jaxckpt/model/gpt.py`); the config file and
   `extra` files (say the `configs/default.py` it imports) by the path as given.
   """
   package = Path(jaxckpt.__file__).resolve().parent

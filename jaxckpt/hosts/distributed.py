@@ -8,7 +8,7 @@
   process's log lines start with `[K/N]`.
 - Records: process 0 holds the workdir lock and writes `status.json`, `events.jsonl`, the loss
   history and the phase satellites (`run_log`); the others wait for its lock and write none.
-- Agreement (`jaxckpt.agreement`): stops and saves happen after the same step on every process.
+- Agreement (`jaxckpt.hosts.agreement`): stops and saves happen after the same step on every process.
 - A lost process (`Watchdog`): each process leaves a sign of life in the key-value store; one
   silent for `--heartbeat_timeout_seconds` is lost, and every other process stops within that
   time with E-DIST-006 naming it. A save in flight is never committed without its part.
@@ -29,11 +29,11 @@ from typing import Any, Callable
 
 from absl import logging
 
-from jaxckpt import joining
 from jaxckpt.checkpoint.errors import CheckpointError
 from jaxckpt.errors import JaxckptError, UsageError, exit_code
-from jaxckpt.runlog import RunLog
-from jaxckpt.workdir import WorkdirLock
+from jaxckpt.hosts import joining
+from jaxckpt.records.runlog import RunLog
+from jaxckpt.records.workdir import WorkdirLock
 
 _PREFIX = 'jaxckpt/run'
 
@@ -86,7 +86,7 @@ def initialize(coordinator_address: str | None = None,
   """Join the `jax.distributed` job the flags (or the cluster's environment) describe.
 
   Without flags and outside a detected cluster this is one process, as always. Call it before
-  anything touches the devices. While the other processes are awaited (`jaxckpt.joining`): a
+  anything touches the devices. While the other processes are awaited (`jaxckpt.hosts.joining`): a
   line every 10 s, E-DIST-005 and exit 1 past `init_timeout_secs`, and a stop signal (that
   `stop_signal()` returns) ends the process at once.
   """

@@ -4,7 +4,7 @@
   and deleted under the prefix) and takes the prefix's lease; every failure is one line, exit 2.
 - `sync_down` makes the workdir continue from the newest intact checkpoint of either tier: a
   newer remote one is downloaded (CRC-checked) with the run's records of that step (loss history,
-  events, samples, bandit, status); see `jaxckpt.remote_start` for the starts it refuses and the
+  events, samples, bandit, status); see `jaxckpt.hosts.remote_start` for the starts it refuses and the
   damaged local copy it replaces. The checkpoint the run continues from is queued for upload.
 - Durable means uploaded (or found there as it is) by this run: the steps of another history
   (the remote's, after `--resume=PATH` or a fallback to an older checkpoint) never count.
@@ -38,13 +38,12 @@ from typing import Any, Callable, Iterator
 from absl import logging
 
 from jaxckpt.checkpoint import CheckpointOptions, CommitInfo, RetentionPolicy, layout
-from jaxckpt import distributed, remote_start
-from jaxckpt.checkpoint.remote import (Lease, LeaseError, Parts, Store, StoreError, Uploader,
-                                       objects)
+from jaxckpt.checkpoint.remote import Lease, LeaseError, Parts, Store, StoreError, Uploader, objects
 from jaxckpt.errors import ConfigError, UsageError
-from jaxckpt.remote_start import APPEND_ONLY, REWRITTEN
-from jaxckpt.runlog import RunLog
-from jaxckpt.workdir import EXPORTS
+from jaxckpt.hosts import distributed, remote_start
+from jaxckpt.hosts.remote_start import APPEND_ONLY, REWRITTEN
+from jaxckpt.records.runlog import RunLog
+from jaxckpt.records.workdir import EXPORTS
 
 FINISH_SECS = 600.0  # how long the end of a run waits for its last upload
 _REMOTE_STEP = 'jaxckpt/run/remote_step/'  # process 0's newest remote commit, for the others

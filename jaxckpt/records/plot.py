@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxckpt.errors import UsageError
-from jaxckpt.runlog import EVENTS, read_jsonl, read_loss_history
+from jaxckpt.records.runlog import EVENTS, read_jsonl, read_loss_history
 
 
 def plot(workdir: str | Path, out: str | Path | None = None) -> Path:

@@ -12,7 +12,8 @@ from typing import Sequence
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxckpt.errors import ConfigError
 

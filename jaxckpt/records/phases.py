@@ -18,8 +18,8 @@ from typing import Any, Mapping, Sequence
 
 from jaxckpt.checkpoint import atomic, layout
 from jaxckpt.errors import UsageError
-from jaxckpt.runlog import RunLog, read_jsonl
-from jaxckpt.workdir import ARCHIVE, BANDIT, CHECKPOINTS, EVENTS, SAMPLES, WorkdirLock
+from jaxckpt.records.runlog import RunLog, read_jsonl
+from jaxckpt.records.workdir import ARCHIVE, BANDIT, CHECKPOINTS, EVENTS, SAMPLES, WorkdirLock
 
 
 def current_phase(workdir: str | os.PathLike) -> int:

@@ -104,7 +104,7 @@ class StepWatch(threading.Thread):
   def _record(self, line: str, step: int) -> None:
     self.runlog.event('failed', error=line, step=step)
     self.runlog.status(state='failed', error=line, step=step)
-    from jaxckpt import distributed  # pylint: disable=import-outside-toplevel
+    from jaxckpt.hosts import distributed  # pylint: disable=import-outside-toplevel
     distributed.failing()  # the other processes stop at once, naming this one
 
 

@@ -21,7 +21,7 @@ from absl import logging
 from jaxckpt.checkpoint import CheckpointError, atomic, discovery, layout
 from jaxckpt.checkpoint.remote import StoreError, objects
 from jaxckpt.errors import ResumeError
-from jaxckpt.workdir import BANDIT, EVENTS, LOSSES, SAMPLES, STATUS
+from jaxckpt.records.workdir import BANDIT, EVENTS, LOSSES, SAMPLES, STATUS
 
 APPEND_ONLY = (LOSSES, EVENTS)  # captured as their length at the call: the prefix never changes
 REWRITTEN = (SAMPLES, BANDIT, STATUS)  # captured as bytes

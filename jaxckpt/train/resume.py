@@ -16,17 +16,18 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxckpt import bandit as bandit_lib
-from jaxckpt import distributed
-from jaxckpt import identity, names, phases
-from jaxckpt import init_from as init_from_lib
-from jaxckpt import model as model_lib
-from jaxckpt.bin_resume import restore_from_bin
 from jaxckpt.checkpoint import ArgumentError, CheckpointError, discovery, layout, named_leaves
 from jaxckpt.errors import ResumeError
-from jaxckpt.runlog import RunLog
-from jaxckpt.session import Session
-from jaxckpt.trainer import TrainState
+from jaxckpt.hosts import distributed
+from jaxckpt.model import bandit as bandit_lib
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.model import names
+from jaxckpt.records import identity, phases
+from jaxckpt.records.runlog import RunLog
+from jaxckpt.train import init_from as init_from_lib
+from jaxckpt.train.bin_resume import restore_from_bin
+from jaxckpt.train.session import Session
+from jaxckpt.train.state import TrainState
 
 
 def find_resume_point(resume: str,
@@ -36,7 +37,7 @@ def find_resume_point(resume: str,
 
   `latest`: the newest committed checkpoint, or a fresh start when there is none.
   `none`: a fresh start, refused when checkpoints exist (it would fork the run's history).
-  `PATH.bin`: a raw `step_NNNNNN.bin` export (weights, Adam m and v; see `jaxckpt.bin_resume`).
+  `PATH.bin`: a raw `step_NNNNNN.bin` export (weights, Adam m and v; see `jaxckpt.train.bin_resume`).
   anything else: the path of a committed `step_<n>` directory.
 
   The checkpoint's files are checked here for presence, sizes and the manifest's seal; their

@@ -243,7 +243,7 @@ def shared_workdir(cluster, workdir: Path, *, remote: bool, config) -> bool:
   if cluster.count == 1:
     return True
   from jaxckpt.checkpoint.multihost import Group  # pylint: disable=import-outside-toplevel
-  from jaxckpt.workdir import checkpoints_dir  # pylint: disable=import-outside-toplevel
+  from jaxckpt.records.workdir import checkpoints_dir  # pylint: disable=import-outside-toplevel
   try:
     if Group(cluster.timeout_secs).open(checkpoints_dir(workdir)):
       return True

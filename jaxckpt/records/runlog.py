@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from jaxckpt.checkpoint import atomic
-from jaxckpt.workdir import EVENTS, LOSSES, STATUS
+from jaxckpt.records.workdir import EVENTS, LOSSES, STATUS
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -5,7 +5,7 @@ files, or a pre-tokenized little-endian uint16 `.bin` (nanoGPT's format). The la
 `data.heldout_fraction` of each source's tokens is its held-out split.
 
 Data comes from one or more named sources (`data.sources`: name -> paths); with several, the
-bandit (`jaxckpt.bandit`) picks the source of each step. A training batch is a pure function of
+bandit (`jaxckpt.model.bandit`) picks the source of each step. A training batch is a pure function of
 (seed, step, source): resuming at step k needs no iterator state beyond k and the bandit's state,
 and every process of a multi-host run can build the same global batch.
 """

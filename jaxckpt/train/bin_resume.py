@@ -27,11 +27,12 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxckpt import model as model_lib, names
 from jaxckpt.checkpoint import atomic, layout
 from jaxckpt.checkpoint.tree import leaf_name
 from jaxckpt.errors import ResumeError
 from jaxckpt.export import flatbin
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.model import names
 
 NOT_IN_BIN = ('rng_key', 'data_position', 'run_counters', 'bandit_state')
 

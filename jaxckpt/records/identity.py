@@ -19,7 +19,7 @@ line with the fix) for what cannot continue:
 and returns a `Diff` of what may change and is recorded, one line each:
 
     knob train.lr 0.001 -> 0.0005
-    source jaxckpt/model.py 91d77bdc76be -> b05c928e631c
+    source jaxckpt/model/gpt.py 91d77bdc76be -> b05c928e631c
     devices 8 -> 4
     mesh {'data': 4, 'model': 2} -> {'data': 4, 'model': 1}
 """
@@ -30,13 +30,12 @@ import dataclasses
 import fnmatch
 import json
 import math
-import os
 from typing import Any, Callable, Mapping, Sequence
 
-from jaxckpt import names
 from jaxckpt.errors import ResumeError
-from jaxckpt.provenance import (flatten_config, jsonable, knob_table, pin_file, source_hashes,
-                                versions as package_versions)
+from jaxckpt.model import names
+from jaxckpt.records.provenance import flatten_config, jsonable, knob_table, pin_file, source_hashes
+from jaxckpt.records.provenance import versions as package_versions
 
 _NONE = '(none)'
 _SHOW = 5  # names listed in a refusal before "(+k more)"
@@ -68,7 +67,7 @@ def parameter_table(params_tree,
     partition_specs: a tree like `params_tree` of `PartitionSpec`s or `NamedSharding`s, or None
       (then each leaf's own `.sharding` is used when it has one).
     trainable: dotted name -> whether the optimizer updates it.
-    order: dotted names in canonical order (`jaxckpt.model.parameter_names(config.model)`);
+    order: dotted names in canonical order (`jaxckpt.model.gpt.parameter_names(config.model)`);
       rows follow it, so cumulative element counts are offsets in the flat `.bin` export.
   """
   import jax
@@ -151,9 +150,9 @@ def build(*,
     counters: step, epoch, tokens seen, data position (the run state).
     finished: True only for the checkpoint of the run's last step.
     init_from: `pin_file(path)` of the file initial weights were read from, if any.
-    versions: default `jaxckpt.provenance.versions()`.
+    versions: default `jaxckpt.records.provenance.versions()`.
   """
-  from jaxckpt import model as model_lib
+  from jaxckpt.model import gpt as model_lib
   if versions is None:
     versions = package_versions()
   # A GPT config has the fields `parameter_names` reads; any other config gets the tree order.
@@ -360,30 +359,3 @@ def element_offsets(parameters: Sequence[Mapping[str, Any]]) -> list[tuple[str, 
     out.append((row['path'], offset, count))
     offset += count
   return out
-
-
-def read_excluded(step_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> dict[str, Any]:
-  """{dotted name: array} of the parameters a checkpoint left out (frozen, from `init_from`).
-
-  They are read from the pinned file after checking that it is the same file (size, sha256);
-  a different or missing file raises ResumeError E-LOAD-001.
-  """
-  names = [t['name'] for t in manifest.get('excluded') or []]
-  if not names:
-    return {}
-  pin = manifest.get('init_from') or {}
-  path = pin.get('path')
-  try:
-    now = pin_file(path) if path else None
-  except OSError:
-    now = None
-  if now is None or (now['size'], now['sha256']) != (pin.get('size'), pin.get('sha256')):
-    raise ResumeError(
-        'E-LOAD-001', f'{step_dir} keeps {len(names)} frozen parameter(s) in '
-        f'its init_from file {path}, which is missing or changed (pinned: size '
-        f'{pin.get("size")}, sha256 {str(pin.get("sha256"))[:12]})',
-        'put the original file back at that path')
-  from jaxckpt.export import safetensors_io
-  tensors, _ = safetensors_io.read_model(path)
-  dotted = {n: '.'.join(n.split('/')[1:]) for n in names}
-  return {d: tensors[d] for d in dotted.values()}

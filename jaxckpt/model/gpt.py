@@ -6,7 +6,7 @@ output head, LayerNorm eps 1e-5. Kernels are stored (in, out) like GPT-2's `Conv
 the untied head is stored (vocab, embed) like `lm_head.weight`, so an export needs no transposes.
 
 Every parameter carries logical axis names (`embed`, `vocab`, `qkv`, `heads`, `mlp`, ...);
-`jaxckpt.sharding` maps them onto the mesh.
+`jaxckpt.model.sharding` maps them onto the mesh.
 
 Canonical parameter order (used by the flat `.bin` export and `jaxckpt inspect`):
     wte.embedding, wpe.embedding,
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from jaxckpt import names
+from jaxckpt.model import names
 
 LAYER_NORM_EPS = 1e-5
 

@@ -3,7 +3,7 @@
 `config.train.init_from` names a safetensors file with jaxckpt's dotted parameter names (a
 `model.safetensors` export); `config.train.frozen` is a tuple of globs over those names. The file
 is pinned (path, size, sha256) in every manifest; frozen parameters it holds are not checkpointed
-but read from it again on every resume (see `jaxckpt.train`).
+but read from it again on every resume (see `jaxckpt.train.loop`).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxckpt import identity, provenance
-from jaxckpt import model as model_lib
 from jaxckpt.errors import ConfigError
 from jaxckpt.export import safetensors_io
+from jaxckpt.model import gpt as model_lib
+from jaxckpt.records import identity, provenance
 
 
 def validate(config) -> None:

@@ -7,11 +7,11 @@ decides whether a config can run, before anything is compiled or written.
 
 from __future__ import annotations
 
-from jaxckpt import bandit as bandit_lib
-from jaxckpt import init_from as init_from_lib
 from jaxckpt.checkpoint import ArgumentError, CheckpointOptions, cadence
 from jaxckpt.errors import ConfigError
 from jaxckpt.export import during_training
+from jaxckpt.model import bandit as bandit_lib
+from jaxckpt.train import init_from as init_from_lib
 
 
 def validate_config(config) -> None:

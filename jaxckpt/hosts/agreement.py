@@ -21,9 +21,9 @@ import threading
 import time
 from typing import Callable
 
-from jaxckpt import distributed
 from jaxckpt.checkpoint import signals
 from jaxckpt.errors import JaxckptError
+from jaxckpt.hosts import distributed
 
 _ROUNDS = 'jaxckpt/run/round'
 
