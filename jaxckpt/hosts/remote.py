@@ -12,7 +12,10 @@
   handed to the background `Uploader` (`on_commit`). The last one of an invocation (the last
   step, a stop) is handed over by `finish`, with the records as they are then: its end record
   (`finished`, `interrupted`, `failed`) travels with it, so a machine that starts from the
-  remote never takes a clean end for an interruption. `status.json` shows `remote_step`,
+  remote never takes a clean end for an interruption. After it (within the same grace, at least
+  EVENTS_SECS), process 0 writes the run's events whole to `URL/run/events.jsonl`: the end
+  reaches the remote even when the last checkpoint does not, or was saved before the stop
+  signal came (`remote_start.send_events`). `status.json` shows `remote_step`,
   `remote_lag_steps` and `remote_error`.
 - `finish` gives the upload of the last checkpoint its time: `stop_grace_secs` after a stop
   signal, longer at the end of a run, and says on stderr which step is durable where.
@@ -46,6 +49,7 @@ from jaxckpt.records.runlog import RunLog
 from jaxckpt.records.workdir import EXPORTS
 
 FINISH_SECS = 600.0  # how long the end of a run waits for its last upload
+EVENTS_SECS = 5.0  # the least the run's events get after it, whatever the grace left
 _REMOTE_STEP = 'jaxckpt/run/remote_step/'  # process 0's newest remote commit, for the others
 _ASK_EVERY = 0.2  # seconds between two looks at it (the loop asks at step boundaries)
 
@@ -169,7 +173,9 @@ class RemoteRun:
     self.store, self.workdir, self.config = store, Path(workdir), config
     self.leader = cluster.leader  # holds the lease, writes the records, commits
     self.cluster = cluster
-    self.parts = Parts(cluster.index, cluster.count) if cluster.count > 1 else None
+    # The job's key-value store: the same one `durable` asks process 0's word in.
+    self.parts = Parts(
+        cluster.index, cluster.count, client=cluster.client()) if cluster.count > 1 else None
     on = c.get('remote_lease', 'on') == 'on'  # off: no lease object, nothing fences a 2nd writer
     self.lease = Lease(store, ttl_secs=c.remote_lease_secs) if on else None
     self.taken_over: dict[str, Any] | None = None
@@ -380,7 +386,8 @@ class RemoteRun:
 
   def finish(self, step: int | None, *, stopping: bool) -> bool:
     """Waits for `step` to be durable remotely (`stop_grace_secs` after a stop signal, else up
-    to FINISH_SECS), says where each step is on stderr, releases the lease. True if durable."""
+    to FINISH_SECS), then (process 0) sends the run's events, says where each step is on
+    stderr, releases the lease. True if `step` is durable."""
     if self.uploader is None or step is None:
       self.close()
       return False
@@ -388,9 +395,17 @@ class RemoteRun:
       self.uploader.submit(*self._held, self.capture_now())
       self._held = None
     grace = self.config.checkpoint.stop_grace_secs if stopping else FINISH_SECS
+    deadline = time.monotonic() + grace
     if not self.uploader.durable(step):
       logging.info('waiting up to %.0f s for step %d to reach %s', grace, step, self.store.url)
     done = self.uploader.wait(step, timeout=grace)
+    # After the last checkpoint's upload (it comes first): the end record, whatever got up.
+    left = max(deadline - time.monotonic(), EVENTS_SECS)
+    unsent = self.leader and remote_start.send_events(self, left)
+    if unsent:
+      logging.warning(
+          'the end of this start is not in the remote (%s): a machine that starts '
+          'from it sees the start end at its last checkpoint', unsent)
     local = self.workdir / 'checkpoints' / layout.step_dirname(step)
     where = self.store.join(objects.step_prefix(step))
     if not self.leader:  # its part; process 0 says where the whole checkpoint is
@@ -407,7 +422,11 @@ class RemoteRun:
     print(f'jaxckpt: {line}', file=sys.stderr, flush=True)
     if self._runlog is not None:
       self._runlog.event(
-          'remote_final', step=step, durable=done, remote_step=self.uploader.remote_step)
+          'remote_final',
+          step=step,
+          durable=done,
+          remote_step=self.uploader.remote_step,
+          events_sent=self.leader and not unsent)
       self._runlog.status(**self.status())
     self.close()
     return done

@@ -9,22 +9,31 @@ of either tier, before the workdir's records are opened (a download replaces the
   checkpoints is refused (E-RESUME-001), as against a workdir that does.
 - A local checkpoint that fails its checksums while it is restored is replaced by the remote's
   intact copy of the same step (`replace_damaged`), not passed over for an older local one.
+- The run's events travel with each checkpoint as of its save; at the end of each start, after
+  its end record, process 0 also writes them whole to `URL/run/events.jsonl` (`send_events`). A
+  download takes that object instead of the checkpoint's events when it continues them byte for
+  byte with well-formed records (`later_events`): how the start that wrote it ended reaches the
+  next machine even when the start's last checkpoint did not get up in time.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
 from absl import logging
 
 from jaxckpt.checkpoint import CheckpointError, atomic, discovery, layout
-from jaxckpt.checkpoint.remote import StoreError, objects
+from jaxckpt.checkpoint.remote import LeaseError, StoreError, objects
+from jaxckpt.checkpoint.remote.bounds import MAX_MANIFEST_BYTES, read_prefix
 from jaxckpt.errors import ResumeError
 from jaxckpt.records.workdir import BANDIT, EVENTS, LOSSES, SAMPLES, STATUS
 
 APPEND_ONLY = (LOSSES, EVENTS)  # captured as their length at the call: the prefix never changes
 REWRITTEN = (SAMPLES, BANDIT, STATUS)  # captured as bytes
+RUN_EVENTS = f'run/{EVENTS}'  # the run's events as the last start that ended cleanly left them
+MAX_EVENTS_BYTES = MAX_MANIFEST_BYTES  # what is read of it, at most (a long run's: megabytes)
 
 
 def sync_down(run, ckpt_dir: Path, *, resume: str, fetch: bool) -> None:
@@ -82,13 +91,22 @@ def fetch_step(run,
   logging.info('fetching step %d from %s (the newest intact checkpoint%s)', step, run.store.url,
                f'; local has {local_step}' if local_step is not None else '')
   path, got = objects.download(run.store, step, ckpt_dir, progress=_Progress(step))
+  later, added = None, 0
+  if records and run.leader and got.get(EVENTS) is not None:
+    later = later_events(run.store, got[EVENTS])
+  if later is not None:  # this run's events past the step, to the end of the start that sent them
+    added = later[len(got[EVENTS]):].count(b'\n')
+    logging.info("the run's events past step %d: %d record(s) from %s", step, added,
+                 run.store.join(RUN_EVENTS))
+    got = {**got, EVENTS: later}
   for name, data in got.items():
     if records and name in APPEND_ONLY + REWRITTEN and run.leader:
       atomic.write_file_durably(run.workdir / name, data)
+  seconds = round(time.monotonic() - t0, 3)
   run.fetched = {
       'step': step, 'url': run.store.join(objects.step_prefix(step)),
-      'bytes': sum(p.stat().st_size for p in path.rglob('*') if p.is_file()),
-      'seconds': round(time.monotonic() - t0, 3), 'records': sorted(got) if records else []
+      'bytes': sum(p.stat().st_size for p in path.rglob('*') if p.is_file()), 'seconds': seconds,
+      'records': sorted(got) if records else [], 'later_events': added
   }
   logging.info('fetched step %d: %.1f MB in %.1f s', step, run.fetched['bytes'] / 1e6,
                run.fetched['seconds'])
@@ -115,6 +133,51 @@ def replace_damaged(run, path: Path, ckpt_dir: Path) -> Path | None:
   return replaced
 
 
+def send_events(run, timeout: float) -> str | None:
+  """Process 0, at the end of a start (after its end record): the run's events as they are now,
+  written whole to `URL/run/events.jsonl`, fenced by the lease. Waits at most `timeout` seconds
+  for the store; returns None once they are there, else why not (the caller says it)."""
+  where = run.store.join(RUN_EVENTS)
+  try:
+    data = (run.workdir / EVENTS).read_bytes()
+    if run.lease is not None:
+      run.lease.writable(where)
+    run.store.start_write(RUN_EVENTS, data).result(timeout=timeout)
+  except TimeoutError:
+    return f'{where} did not answer within {timeout:.0f} s'
+  except LeaseError as e:
+    return e.what
+  except Exception as e:  # noqa: BLE001 - a store error of any kind: the end is not shared
+    return f'{where}: {type(e).__name__}: {" ".join(str(e).split())[:200]}'
+  return None
+
+
+def later_events(store, events: bytes) -> bytes | None:
+  """`URL/run/events.jsonl` when it continues `events` (a checkpoint's) byte for byte with whole
+  records, each a JSON object naming its event: the same run's events past that checkpoint.
+  None when it does not (another history's, an older start's, malformed, over MAX_EVENTS_BYTES):
+  then the checkpoint's own events are the ones to take."""
+  try:
+    data = read_prefix(store, RUN_EVENTS, MAX_EVENTS_BYTES + 1, exact=False)
+  except StoreError as e:
+    logging.warning('not reading %s: %s', store.join(RUN_EVENTS), e.what)
+    return None
+  if (data is None or len(data) <= len(events) or len(data) > MAX_EVENTS_BYTES
+      or not data.startswith(events) or not events.endswith(b'\n')):
+    return None
+  tail = data[len(events):]
+  try:
+    rows = [json.loads(line) for line in tail.splitlines()]
+  except ValueError:
+    rows = []
+  if not tail.endswith(b'\n') or not rows or not all(
+      isinstance(r, dict) and isinstance(r.get('event'), str) for r in rows):
+    logging.warning("passing over %s: its records past the checkpoint's are malformed",
+                    store.join(RUN_EVENTS))
+    return None
+  return data
+
+
 class _Progress:
   """Logs a long download's progress every 10 seconds."""
 
@@ -128,4 +191,7 @@ class _Progress:
                    total / 1e6)
 
 
-__all__ = ['APPEND_ONLY', 'REWRITTEN', 'fetch_step', 'replace_damaged', 'sync_down']
+__all__ = [
+    'APPEND_ONLY', 'REWRITTEN', 'RUN_EVENTS', 'fetch_step', 'later_events', 'replace_damaged',
+    'send_events', 'sync_down'
+]
