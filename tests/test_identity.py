@@ -215,26 +215,6 @@ def test_opt_001_optimizer_structure_changed(saved):
   assert "['1/0/mu', '1/0/nu'] -> ['1/0/mu']" in line
 
 
-def test_load_001_pinned_init_from_file_changed(saved, tmp_path):
-  weights = tmp_path / 'init.safetensors'
-  weights.write_bytes(b'x' * 1000)
-  pinned = dict(saved, init_from=provenance.pin_file(weights))
-  assert not identity.compare(pinned, dict(saved, init_from=provenance.pin_file(weights)))
-  assert not identity.compare(pinned, saved)  # the file on disk now is checked: unchanged
-  weights.write_bytes(b'y' * 1000)  # same size, other bytes
-  line = refused('E-LOAD-001', pinned, dict(saved, init_from=provenance.pin_file(weights)))
-  assert str(weights) in line and 'sha256' in line and 'put back the file' in line
-  refused('E-LOAD-001', pinned, saved)
-  weights.write_bytes(b'x' * 999)
-  assert 'size 1000 -> 999' in refused('E-LOAD-001', pinned, saved)
-  weights.unlink()
-  assert 'cannot be read' in refused('E-LOAD-001', pinned, saved)
-  other = tmp_path / 'other.safetensors'
-  other.write_bytes(b'z')
-  assert 'was not initialized from a file' in refused(
-      'E-LOAD-001', saved, dict(saved, init_from=provenance.pin_file(other)))
-
-
 def test_manifest_without_identity_is_checked_by_its_tensor_table(saved):
   old = {
       'tensors': [{

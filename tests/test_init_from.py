@@ -7,6 +7,7 @@ holds the frozen embeddings (each start reads them from the file again).
 """
 
 import json
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -127,11 +128,11 @@ def test_a_file_that_does_not_fit_is_refused_naming_what(init_file, tmp_path):
     init_from.read(garbage, trainer.abstract_state().params, trainer.config.model)
   missing = tmp_path / 'missing.safetensors'
   with pytest.raises(ConfigError, match='E-LOAD-002: cannot read train.init_from=.*No such file'):
-    init_from.pin(str(missing), fresh=True)
-  # On a resume a missing file is pinned as unreadable; identity.compare refuses it (E-LOAD-001).
-  assert init_from.pin(
-      str(missing), fresh=False) == {'path': str(missing), 'size': None, 'sha256': None}
-  assert init_from.pin('', fresh=True) is None
+    init_from.pin(str(missing), trainer.config.model, fresh=True)
+  # On a resume a missing file is pinned as unreadable; check_resume refuses it (E-LOAD-001).
+  unreadable = init_from.pin(str(missing), trainer.config.model, fresh=False)
+  assert unreadable['path'] == str(missing) and 'No such file' in unreadable['unreadable']
+  assert init_from.pin('', trainer.config.model, fresh=True) is None
 
 
 @pytest.mark.parametrize('frozen, message', [
@@ -192,7 +193,15 @@ def test_the_file_is_pinned_and_frozen_file_params_are_not_checkpointed(straight
   step_dir = straight / 'checkpoints' / f'step_{STEPS:08d}'
   manifest = json.loads((step_dir / 'manifest.json').read_text())
   pin = provenance.pin_file(init_file)
-  assert manifest['init_from'] == {**pin, 'path': str(init_file.absolute())}
+  path = str(init_file.absolute())
+  assert manifest['init_from'] == {
+      'path':
+          path, 'naming':
+              'jaxckpt', 'files': [{
+                  **pin, 'path': path,
+                  'tensors': {n: n for n in model_lib.parameter_names(tiny_config().model)}
+              }]
+  }
   assert manifest['knobs']['train.frozen']['value'] == list(FROZEN)
   names = [t['name'] for t in manifest['tensors']]
   assert not [n for n in names if 'wte/embedding' in n or 'wpe/embedding' in n]
@@ -261,8 +270,13 @@ def test_a_changed_init_from_file_is_refused_before_loading(trainer, pinned, tmp
   r = trainer.train(workdir, *run_flags(partial, steps=10))
   assert r.returncode == 2, r.stderr
   line = last_line(r)
-  assert line.startswith('jaxckpt: E-LOAD-001: ') and str(partial) in line
-  assert f'size {len(original)} -> {len(original)}, sha256' in line
+  # Named by a frozen parameter: the one a resume could not take from the checkpoint.
+  assert re.match(
+      r"jaxckpt: E-LOAD-001: a loaded parameter's file is not the one the "
+      r"checkpoint's run read: (wte|wpe)\.embedding in ", line), line
+  old, new = provenance.sha256_file(kept), provenance.sha256_file(partial)
+  assert (f'{partial}, {len(original)} bytes, sha256:{old} -> {len(original)} bytes, '
+          f'sha256:{new}; restore that file') in line
 
   partial.unlink()
   r = trainer.train(workdir, *run_flags(partial, steps=10))

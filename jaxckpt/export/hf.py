@@ -14,6 +14,7 @@ it to `transformer.wte.weight` itself) and sets `tie_word_embeddings`.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -129,3 +130,38 @@ def write_hf_dir(out_dir: str | os.PathLike,
     with atomic_file(tmp / CONFIG_FILE) as path:
       path.write_text(config)
     safetensors_io.write_tensors(tmp / WEIGHTS_FILE, state, metadata=metadata)
+
+
+def from_hf_name(name: str) -> str | None:
+  """Inverse of `hf_name`: `transformer.h.0.attn.c_attn.weight` (or `h.0.attn.c_attn.weight`, as
+  `GPT2Model` saves) -> `h.0.attn.c_attn.kernel`; None for the attention-mask buffers older
+  transformers saved (`h.0.attn.bias`, `h.0.attn.masked_bias`), which are not parameters."""
+  parts = name.split('.')
+  parts = parts[1:] if parts[0] == 'transformer' and len(parts) > 1 else parts
+  if len(parts) == 4 and parts[0] == 'h' and parts[2] == 'attn' and parts[3] in ('bias',
+                                                                                 'masked_bias'):
+    return None
+  *path, leaf = parts
+  if leaf == 'weight' and path:
+    module = path[-1]
+    leaf = ('embedding' if module in ('wte',
+                                      'wpe') else 'scale' if module.startswith('ln_') else 'kernel')
+  return '.'.join([*path, leaf])
+
+
+def config_misfit(hf_config: Mapping[str, Any], model_cfg) -> list[str]:
+  """What a GPT-2 `config.json` says that jaxckpt's model with `model_cfg` would compute
+  differently and the tensor shapes do not show (heads, activation, LayerNorm eps, scaling)."""
+  want = gpt2_config(model_cfg)
+  out = []
+  if hf_config.get('model_type', 'gpt2') != 'gpt2':
+    out.append(f'model_type {hf_config.get("model_type")!r} (not gpt2)')
+  for key, default in (('n_head', 12), ('layer_norm_epsilon', 1e-5), ('scale_attn_weights', True),
+                       ('scale_attn_by_inverse_layer_idx', False)):
+    value = hf_config.get(key, default)
+    if value != want[key] and not (isinstance(value, float) and math.isclose(value, want[key])):
+      out.append(f'{key} {value!r} -> model {want[key]!r}')
+  act = hf_config.get('activation_function', 'gelu_new')
+  if act not in ('gelu_new', 'gelu_pytorch_tanh'):  # both tanh-approximated, as jaxckpt's
+    out.append(f'activation_function {act!r} -> model gelu_new')
+  return out

@@ -14,7 +14,8 @@ line with the fix) for what cannot continue:
 
     E-PARAM-001  a parameter new or gone          E-PARAM-002  a shape or dtype changed
     E-PARAM-003  trainable <-> frozen changed     E-OPT-001    the optimizer state structure changed
-    E-LOAD-001   the pinned init_from file changed (size or sha256), or was added or dropped
+
+(`init_from` pins are compared per file by `jaxckpt.train.init_from.check_resume`.)
 
 and returns a `Diff` of what may change and is recorded, one line each:
 
@@ -34,7 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from jaxckpt.errors import ResumeError
 from jaxckpt.model import names
-from jaxckpt.records.provenance import flatten_config, jsonable, knob_table, pin_file, source_hashes
+from jaxckpt.records.provenance import flatten_config, jsonable, knob_table, source_hashes
 from jaxckpt.records.provenance import versions as package_versions
 
 _NONE = '(none)'
@@ -277,34 +278,6 @@ def _check_optimizer(saved_opt, new_opt, where: str) -> None:
       '(same transformations in the same chain), or start a new --workdir')
 
 
-def _check_init_from(saved_pin, new_identity: Mapping[str, Any], where: str) -> None:
-  new_pin = new_identity.get('init_from')
-  if saved_pin is None and new_pin is None:
-    return
-  if saved_pin is None:
-    raise ResumeError(
-        'E-LOAD-001', f'{where} was not initialized from a file, but the config now '
-        f'reads init_from={new_pin["path"]}', 'drop init_from to continue this run, '
-        'or start a new --workdir')
-  path = new_pin['path'] if new_pin is not None else saved_pin['path']
-  if new_pin is None or new_pin.get('sha256') is None:
-    try:
-      new_pin = pin_file(path)
-    except OSError as e:
-      pinned = (f'pinned by {where}'
-                if path == saved_pin['path'] else f'(where {where} pinned {saved_pin["path"]})')
-      raise ResumeError(
-          'E-LOAD-001', f'the init_from file {path} {pinned} cannot be '
-          f'read: {e.strerror or e}', f'restore the file (size {saved_pin["size"]}, '
-          f'sha256 {saved_pin["sha256"]}) or start a new --workdir') from e
-  if (new_pin['size'], new_pin['sha256']) != (saved_pin['size'], saved_pin['sha256']):
-    raise ResumeError(
-        'E-LOAD-001', f'the init_from file {path} differs from the one pinned by {where} '
-        f'({saved_pin["path"]}): size {saved_pin["size"]} -> {new_pin["size"]}, sha256 '
-        f'{saved_pin["sha256"][:12]} -> {new_pin["sha256"][:12]}',
-        f'put back the file with sha256 {saved_pin["sha256"]}, or start a new --workdir')
-
-
 def _value_lines(kind: str, old: Mapping[str, Any], new: Mapping[str, Any],
                  fmt: Callable[[Any], str]) -> tuple[str, ...]:
   lines = []
@@ -333,7 +306,6 @@ def compare(saved: Mapping[str, Any],
   if saved_rows is not None and new.get('parameters') is not None:
     _check_parameters(saved_rows, new_rows, where)
   _check_optimizer(saved.get('optimizer'), new.get('optimizer'), where)
-  _check_init_from(saved.get('init_from'), new, where)
 
   # A section one side does not record (a manifest older than it) is not a change.
   both = lambda key: saved.get(key) is not None and new.get(key) is not None

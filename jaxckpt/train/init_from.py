@@ -1,33 +1,37 @@
-"""Initialising parameters from a safetensors file, and freezing parameters.
+"""Initialising parameters from safetensors weights, and freezing parameters.
 
-`config.train.init_from` names a safetensors file with jaxckpt's dotted parameter names (a
-`model.safetensors` export); `config.train.frozen` is a tuple of globs over those names. The file
-is pinned (path, size, sha256) in every manifest; frozen parameters it holds are not checkpointed
-but read from it again on every resume (see `jaxckpt.train.loop`).
+`config.train.init_from` names a safetensors source: a jaxckpt export (`model.safetensors`, its
+dotted names), a Hugging Face GPT-2 directory or `model.safetensors` (transformers' names), or a
+sharded `model.safetensors.index.json` (or its directory); a path, or an `s3://` or `gs://` URL
+(`jaxckpt.export.weights`). `config.train.frozen` is a tuple of globs over jaxckpt's names. The
+files read are pinned in every manifest (size and sha256, ETag or generation); frozen parameters
+they hold are not checkpointed but read from them again on every resume (`jaxckpt.train.resume`).
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
-from typing import Any
+from typing import Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxckpt.errors import ConfigError
-from jaxckpt.export import safetensors_io
+from jaxckpt.errors import ConfigError, ResumeError
+from jaxckpt.export import weights
 from jaxckpt.model import gpt as model_lib
-from jaxckpt.records import identity, provenance
+from jaxckpt.model import names as names_lib
+from jaxckpt.records import identity
 
 
 def validate(config) -> None:
   """train.frozen: globs that each name a parameter, and not all of them; train.init_from: a str."""
   t = config.train
   if not isinstance(t.get('init_from', ''), str):
-    raise ConfigError('E-CONFIG-006', f'train.init_from={t.init_from!r} is not a path',
-                      "set --config.train.init_from=PATH/model.safetensors, or '' for none")
+    raise ConfigError(
+        'E-CONFIG-006', f'train.init_from={t.init_from!r} is not a path',
+        "set --config.train.init_from=PATH/model.safetensors (or a Hugging Face directory, "
+        "an s3:// or gs:// URL), or '' for none")
   frozen = t.get('frozen', ())
   if isinstance(frozen, str) or not all(isinstance(g, str) for g in frozen):
     raise ConfigError('E-CONFIG-006', f'train.frozen={frozen!r} is not a tuple of globs',
@@ -46,72 +50,79 @@ def validate(config) -> None:
         'there is nothing to train', 'freeze fewer parameters')
 
 
-FIX = ('point --config.train.init_from at a jaxckpt safetensors export of a model with this '
-       'config (WORKDIR/exports/step_<n>/model.safetensors)')
+def pin(spec: str, model_cfg, *, fresh: bool) -> dict[str, Any] | None:
+  """The pin of train.init_from (`jaxckpt.export.weights.plan`: files, versions, tensors); None
+  when unset.
 
-
-def pin(path: str, *, fresh: bool) -> dict[str, Any] | None:
-  """`provenance.pin_file` of train.init_from (absolute path, size, sha256); None when unset.
-
-  On a fresh start a missing file is an error here (E-LOAD-002). On a resume it is pinned with
-  no size or sha256, and `identity.compare` refuses it (E-LOAD-001) before anything is loaded.
+  On a fresh start a source that cannot be read or does not fit is an error here (E-LOAD-002,
+  -003, -004). On a resume it is pinned as {'path', 'unreadable': why}, and `check_resume`
+  refuses it (E-LOAD-001, naming the checkpoint's pin) before anything is loaded.
   """
-  if not path:
+  if not spec:
     return None
-  path = os.path.abspath(path)
   try:
-    return provenance.pin_file(path)
-  except OSError as e:
+    return weights.plan(spec, model_cfg)
+  except ConfigError as e:
     if fresh:
-      raise ConfigError('E-LOAD-002', f'cannot read train.init_from={path}: '
-                        f'{e.strerror or e}', FIX) from e
-    return {'path': path, 'size': None, 'sha256': None}
+      raise
+    return {'path': spec, 'unreadable': e.what}
 
 
-def read(path: str | os.PathLike, abstract_params, model_cfg) -> dict[str, np.ndarray]:
-  """{dotted name: array} of an init_from file, checked against the model's parameters.
-
-  `abstract_params` is the model's params tree (shapes and dtypes suffice).
-
-  Every tensor of the file must be a parameter of the model with its shape; a float tensor
-  narrower than the parameter (bf16 into f32) is widened, exactly. A parameter the file does not
-  hold is not an error (a partial file): it keeps its fresh init.
+def check_resume(manifest: Mapping[str, Any], new_pin: Mapping[str, Any] | None,
+                 where: str) -> None:
+  """Refuse a resume whose init_from files are not the ones the checkpoint's run read.
 
   Raises:
-    ConfigError (E-LOAD-002): the file cannot be read as safetensors.
-    ConfigError (E-LOAD-003): names or shapes that do not fit the model (named).
+    ResumeError E-LOAD-001: a pinned file changed or cannot be read (named with the tensor and
+      both pins), or init_from was added where the checkpoint's run had none.
   """
-  try:
-    tensors, _ = safetensors_io.read_model(path)
-  except Exception as e:  # OSError, or not safetensors (the library's own error types)
-    raise ConfigError('E-LOAD-002', f'cannot read train.init_from={path}: {type(e).__name__}: '
-                      f'{e}', FIX) from e
+  saved = manifest.get('init_from')
+  if saved is None:
+    if new_pin is not None:
+      raise ResumeError(
+          'E-LOAD-001', f'{where} was not initialized from a file, but the config now '
+          f'reads init_from={new_pin["path"]}', 'drop init_from to continue this run, '
+          'or start a new --workdir')
+    return
+  frozen = [names_lib.param_of_leaf(t['name']) for t in manifest.get('excluded') or []]
+  change = weights.first_change(saved, new_pin, [f[1] for f in frozen if f])
+  if change is not None:
+    raise change
+
+
+def summary(pin: Mapping[str, Any]) -> dict[str, Any]:
+  """The init_from event's account of a pin: the source and each file's size and version."""
+  files = weights.normalize(pin)['files']
+  return {
+      'path': pin['path'], 'files': [{k: v for k, v in f.items() if k != 'tensors'} for f in files]
+  }
+
+
+def versions(fields: Mapping[str, Any]) -> str:
+  """'<size> bytes, sha256:<hex>' (or the ETag, the generation) of each file of `summary`."""
+  return '; '.join(weights.describe(f) for f in fields['files'])
+
+
+def read(source: str | os.PathLike | Mapping[str, Any],
+         abstract_params,
+         model_cfg,
+         *,
+         verify: bool = False) -> dict[str, np.ndarray]:
+  """{dotted name: array} of an init_from source (a spec, or its pin), in the model's dtypes.
+
+  `abstract_params` is the model's params tree (shapes and dtypes suffice). Every tensor the
+  source holds must be a parameter of the model with its shape (checked by `weights.plan`); a
+  float narrower than the parameter (bf16 into f32) is widened, exactly. A parameter the source
+  does not hold is not an error (a partial file): it keeps its fresh init.
+
+  Raises:
+    ConfigError (E-LOAD-002, -003, -004): a spec that cannot be read, or does not fit.
+    ResumeError (E-LOAD-001): a pinned file that changed since it was pinned.
+  """
+  pin_ = source if isinstance(source, Mapping) else weights.plan(os.fspath(source), model_cfg)
   model = model_lib.flatten_params(abstract_params, model_cfg)
-  unknown = [n for n in tensors if n not in model]
-  misfit = [n for n, x in tensors.items() if n in model and not _fits(x, model[n])]
-  if unknown or misfit or not tensors:
-    parts = ([
-        f'not parameters of the model: {", ".join(unknown[:5])}' +
-        (f' (+{len(unknown) - 5} more)' if len(unknown) > 5 else '')
-    ] if unknown else [])
-    parts += [
-        f'{n} {tensors[n].dtype}{list(tensors[n].shape)} -> model '
-        f'{np.dtype(model[n].dtype)}{list(model[n].shape)}' for n in misfit[:5]
-    ]
-    parts += [f'(+{len(misfit) - 5} more)'] if len(misfit) > 5 else []
-    raise ConfigError(
-        'E-LOAD-003', f'train.init_from={path} does not fit the model: ' +
-        ('; '.join(parts) if parts else 'it holds no tensor'), FIX)
-  return {n: np.asarray(tensors[n], dtype=model[n].dtype) for n in model if n in tensors}
-
-
-def _fits(x: np.ndarray, param) -> bool:
-  if tuple(x.shape) != tuple(param.shape):
-    return False
-  if x.dtype == param.dtype:
-    return True
-  floats = jnp.issubdtype(x.dtype, jnp.floating) and jnp.issubdtype(param.dtype, jnp.floating)
-  return floats and x.dtype.itemsize <= np.dtype(param.dtype).itemsize
+  arrays = weights.read_pinned(pin_, [n for n in model], verify=verify)
+  return {n: np.asarray(arrays[n], dtype=model[n].dtype) for n in model if n in arrays}
 
 
 def load_params(params, arrays: dict[str, np.ndarray]):

@@ -10,6 +10,7 @@ the next newest, as `latest` passes over one whose manifest or sizes are wrong.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 import jax
@@ -27,7 +28,7 @@ from jaxckpt.records.runlog import RunLog
 from jaxckpt.train import init_from as init_from_lib
 from jaxckpt.train.bin_resume import restore_from_bin
 from jaxckpt.train.session import Session
-from jaxckpt.train.state import TrainState
+from jaxckpt.train.state import TrainState, make_schedule
 
 
 def find_resume_point(resume: str,
@@ -131,6 +132,39 @@ def _is_retention(change: str) -> bool:
   return change.startswith('knob ') and change.split(' ')[1] in _RETENTION_KNOBS
 
 
+_SCHEDULE = ('lr', 'warmup_steps', 'steps', 'min_lr_ratio')  # train.* that make_schedule reads
+
+
+def _report_schedule_change(runlog: RunLog, meta: Any, config, step: int) -> None:
+  """A continuation whose learning-rate schedule is not the checkpoint's (a larger train.steps
+  re-stretches the cosine): one warning and a `schedule_changed` event, with the lr of the next
+  step under both. The checkpoint's config is read from its manifest: numbers, or nothing."""
+  recorded = meta.get('config') if isinstance(meta, dict) else None
+  old = recorded.get('train') if isinstance(recorded, dict) else None
+  if not isinstance(old, dict):
+    return
+  new = {f: config.train[f] for f in _SCHEDULE}
+  old = {f: old.get(f, new[f]) for f in _SCHEDULE}
+  if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in old.values()):
+    return
+  changed = {f: [old[f], new[f]] for f in _SCHEDULE if old[f] != new[f]}
+  if not changed:
+    return
+  lr = lambda train: float(make_schedule(SimpleNamespace(**train))(step))  # of step + 1
+  try:
+    before, after = lr(old), lr(new)
+  except (ArithmeticError, TypeError, ValueError):  # numbers no schedule takes: say what changed
+    before = after = None
+  runlog.event('schedule_changed', step=step, changes=changed, lr_before=before, lr_after=after)
+  what = ', '.join(f'train.{f} {a} -> {b}' for f, (a, b) in changed.items())
+  if before is None:
+    logging.warning('the learning-rate schedule changed since the checkpoint (%s)', what)
+    return
+  logging.warning(
+      'the learning-rate schedule changed since the checkpoint (%s): the lr of step %d was '
+      "%.2e under the checkpoint's schedule and is %.2e now", what, step + 1, before, after)
+
+
 def _start_from(session: Session, resume_dir: Path | None) -> tuple[TrainState, int]:
   """The initial state and bandit: fresh, or restored from `resume_dir`."""
   config, runlog, mgr = session.trainer.config, session.runlog, session.mgr
@@ -146,6 +180,8 @@ def _start_from(session: Session, resume_dir: Path | None) -> tuple[TrainState, 
   else:
     # Refuse what does not fit before loading anything; record what changed and is allowed.
     meta = mgr.read_manifest(resume_dir)
+    init_from_lib.check_resume(meta, session.identity.get('init_from'), str(resume_dir))
+    # init_from pins were just compared, in their per-file form (`jaxckpt.export.weights`).
     changes = identity.compare(meta, session.identity, where=str(resume_dir)).lines
     state, run_state, loaded = _restore(session, resume_dir, meta)
     step = int(run_state['step'])
@@ -159,6 +195,8 @@ def _start_from(session: Session, resume_dir: Path | None) -> tuple[TrainState, 
   if resume_dir is not None:
     runlog.event('resumed', step=step, path=str(resume_dir), changes=changes)
     logging.info('resumed from %s (step %d)', resume_dir, step)
+    if resume_dir.suffix != '.bin':  # a .bin records no config
+      _report_schedule_change(runlog, meta, config, step)
     retention = [line for line in changes if _is_retention(line)]
     for line in changes:
       if line not in retention:
@@ -227,14 +265,15 @@ def _restore(session: Session, resume_dir: Path,
       jax.tree_util.tree_structure(abstract), [restored[n] for n in leaves])
   read = {dotted(n) for n in left_out}
   return state, run_state, {
-      'path': pin['path'], 'sha256': pin['sha256'],
+      **init_from_lib.summary(pin),
       'read': [n for n in model_lib.parameter_names(session.trainer.config.model) if n in read]
   }
 
 
 def _read_init_file(session: Session, pin: dict[str, Any]) -> dict[str, np.ndarray]:
-  return init_from_lib.read(pin['path'],
-                            session.trainer.abstract_state().params, session.trainer.config.model)
+  # The pin was made (a fresh start) or checked against the files (a resume) moments ago.
+  return init_from_lib.read(
+      pin, session.trainer.abstract_state().params, session.trainer.config.model, verify=False)
 
 
 def _init_from_file(session: Session, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
@@ -245,7 +284,7 @@ def _init_from_file(session: Session, state: TrainState) -> tuple[TrainState, di
   session.file_frozen = {n: x for n, x in arrays.items() if n in session.frozen_params}
   fresh = [n for n in model_lib.parameter_names(session.trainer.config.model) if n not in arrays]
   return state, {
-      'path': pin['path'], 'sha256': pin['sha256'], 'loaded': list(arrays), 'fresh_init': fresh,
+      **init_from_lib.summary(pin), 'loaded': list(arrays), 'fresh_init': fresh,
       'frozen': list(session.frozen_params), 'not_checkpointed': list(session.file_frozen)
   }
 
@@ -258,8 +297,8 @@ def _report_init_from(runlog: RunLog, step: int, fields: dict[str, Any]) -> None
                  len(fields['read']), fields['path'], ', '.join(fields['read']))
     return
   loaded, fresh = fields['loaded'], fields['fresh_init']
-  logging.info('initialized %d of %d parameters from init_from %s (sha256 %s)', len(loaded),
-               len(loaded) + len(fresh), fields['path'], fields['sha256'][:12])
+  logging.info('initialized %d of %d parameters from init_from %s (%s)', len(loaded),
+               len(loaded) + len(fresh), fields['path'], init_from_lib.versions(fields))
   if fresh:
     logging.info('not in init_from, fresh init: %s', ', '.join(fresh))
   if fields['not_checkpointed']:

@@ -240,6 +240,38 @@ class Store:
       raise StoreError('E-STORE-011', f'{self.join(key)} is missing', 'the object was removed')
     return r.value
 
+  def read_range_version(self,
+                         key: str,
+                         start: int,
+                         stop: int | None = None) -> tuple[bytes, bytes]:
+    """(bytes [start, stop) of an object, to its end when `stop` is None; the generation the
+    store reported with them). A range not inside the object is StoreError E-STORE-012, kind
+    'out_of_range'; a missing object E-STORE-011."""
+
+    def read():
+      try:
+        return self.kv.read(key, byte_range=slice(start, stop)).result()
+      except ValueError as e:
+        # S3 answers 416; the GCS emulator a Content-Range that tensorstore refuses.
+        if any(s in str(e).lower() for s in ('out_of_range', 'content-range', 'not satisfiable')):
+          raise StoreError('E-STORE-012', f'{self.join(key)} holds no bytes [{start}, {stop})',
+                           'the object is shorter than that', 'out_of_range') from e
+        raise
+
+    r = self._call('read', key, read)
+    if r.state != 'value':
+      raise StoreError('E-STORE-011', f'{self.join(key)} is missing', 'the object was removed')
+    return r.value, r.stamp.generation
+
+  def version_label(self, generation: bytes) -> str | None:
+    """What the store calls the version a generation stands for: an S3 ETag (quoted, as S3
+    writes it), a GCS generation number, a file's stamp; None when the store reported none."""
+    body = generation[1:]  # tensorstore's first byte holds flags, the rest the store's own value
+    if self.scheme == 'gs':
+      number = int.from_bytes(body[:8], 'little') if len(body) >= 8 else 0
+      return str(number) if number else None
+    return body.decode(errors='replace') if body.strip(b'\x00') else None
+
   def write(self, key: str, data: bytes) -> None:
     self._call('write', key, lambda: self.kv.write(key, bytes(data)).result())
 
