@@ -3,14 +3,15 @@
     jaxckpt evaluate --workdir=runs/tiny             every checkpoint not yet evaluated, then exit
     jaxckpt evaluate --workdir=runs/tiny --follow    ... and keep watching for new commits; stop
                                                      after the checkpoint of the run's last step
+    jaxckpt evaluate --workdir=s3://bucket/run --out=evaluated.json   a remote run; results kept
 
-Results go to `WORKDIR/evaluated.json`, `{"<step>": {heldout_loss, evaluated_at, path,
-committed_at}}`, rewritten atomically after each checkpoint, so each checkpoint is evaluated
-once, across restarts of the evaluator too (a step whose checkpoint was re-written by a resumed
-run, with a new `committed_at`, is evaluated again). The evaluator reads the weights alone (never
-the optimizer state) of committed checkpoints alone (never a temporary directory), never writes
-or deletes a checkpoint, and takes no lock the trainer needs; one evaluator per workdir
-(`evaluated.json.lock`).
+Results go to `WORKDIR/evaluated.json` (for a remote run, the `--out` file),
+`{"<step>": {heldout_loss, evaluated_at, path, committed_at}}`, rewritten atomically after each
+checkpoint, so each checkpoint is evaluated once, across restarts of the evaluator too (a step
+whose checkpoint was re-written by a resumed run, with a new `committed_at`, is evaluated
+again). The evaluator reads the weights alone (never the optimizer state) of committed
+checkpoints alone (never a temporary directory), never writes or deletes a checkpoint, and
+takes no lock the trainer needs; one evaluator per workdir (`evaluated.json.lock`).
 """
 
 from __future__ import annotations
@@ -34,13 +35,22 @@ def _is_params(name: str) -> bool:
 
 
 def read_results(workdir: str | os.PathLike) -> dict[str, dict[str, Any]]:
+  return read_results_file(Path(workdir) / EVALUATED)
+
+
+def read_results_file(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+  """The results in an `evaluated.json` file ({} when there is none)."""
   try:
-    return json.loads((Path(workdir) / EVALUATED).read_text())
+    results = json.loads(Path(path).read_text())
   except FileNotFoundError:
     return {}
   except ValueError as e:  # written atomically, so only a foreign hand can damage it
-    raise UsageError('E-EVAL-002', f'{Path(workdir) / EVALUATED} is not valid JSON ({e})',
+    raise UsageError('E-EVAL-002', f'{path} is not valid JSON ({e})',
                      'move it away; the evaluator then evaluates every checkpoint again') from e
+  if not isinstance(results, dict) or not all(isinstance(v, dict) for v in results.values()):
+    raise UsageError('E-EVAL-002', f'{path} is not an evaluated.json ({{"<step>": {{...}}}})',
+                     'move it away; the evaluator then evaluates every checkpoint again')
+  return results
 
 
 class Evaluator:

@@ -314,7 +314,9 @@ def test_offline_export_of_a_trainer_checkpoint(checkpoint, tmp_path):
       json.loads((checkpoint / 'manifest.json').read_text())['config']['model'])
   exports = tmp_path / 'exports'
   out = {
-      fmt: offline.export_checkpoint(checkpoint, fmt, offline.export_path(exports, 10, fmt))
+      fmt:
+          offline.export_checkpoint(
+              checkpoint, fmt, offline.export_path(exports, 10, fmt), optimizer=True)
       for fmt in offline.FORMATS
   }
   assert out == {

@@ -178,9 +178,15 @@ def test_inspect_refuses_what_is_not_a_checkpoint(make, words, tmp_path, capsys)
   assert err.startswith('jaxckpt: E-CKPT-010: ') and words in err and err.count('\n') == 1
 
 
-def test_inspect_a_run_directory_points_at_its_newest_checkpoint(finished_run, capsys):
-  code, _, err = call_cli(['inspect', str(finished_run)], capsys)
-  assert code == 2 and f'did you mean {finished_run / "checkpoints" / STEP_20}?' in err
+def test_inspect_a_run_directory_shows_its_newest_committed_checkpoint(finished_run, capsys):
+  newest = finished_run / 'checkpoints' / STEP_20
+  for run in (finished_run, finished_run / 'checkpoints'):
+    code, out, err = call_cli(['inspect', str(run)], capsys)
+    assert code == 0 and out.startswith(f'checkpoint  {newest}\n'), err
+    assert err == (f'jaxckpt: {run} holds checkpoints: inspecting the newest committed one, '
+                   f'{newest}\n')
+  code, out, _ = call_cli(['inspect', str(finished_run), '--json'], capsys)
+  assert code == 0 and json.loads(out)['path'] == str(newest)
 
 
 def test_inspect_warns_when_the_manifest_does_not_match_its_seal(pristine, tmp_path, capsys):

@@ -85,7 +85,7 @@ def test_heldout_split_is_the_tail_and_disjoint():
   corpus = data.embedded_corpus()
   (main,) = ds.sources
   assert len(main.train) + len(main.heldout) == len(corpus)
-  assert bytes(main.heldout.astype(np.uint8)) == corpus[len(main.train):]
+  assert bytes(np.asarray(main.heldout).astype(np.uint8)) == corpus[len(main.train):]
   assert len(ds.heldout_batches(2)) == 2
 
 

@@ -3,6 +3,7 @@ files other tools read (`jaxckpt.export.offline`)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def _parser():
       '--format',
       required=True,
       metavar='|'.join(FORMATS),
-      help='safetensors: OUT/model.safetensors (+ optimizer.safetensors); hf: a '
+      help='safetensors: OUT/model.safetensors (+ optimizer.safetensors with --optimizer); hf: a '
       'GPT2LMHeadModel directory; bin: the raw ANDREA file (checkpoints only)')
   parser.add_argument(
       '--out',
@@ -37,11 +38,13 @@ def _parser():
       '--config',
       help='configs/<name>.py: the model config (required for a '
       ".bin, which holds none; overrides the manifest's for a checkpoint)")
+  # Weights only by default, as exports during training (`export.optimizer`, off by default);
+  # --no-optimizer, the flag of the old default, still works and is now the default.
   parser.add_argument(
-      '--no-optimizer',
-      dest='optimizer',
-      action='store_false',
-      help='safetensors: leave out optimizer.safetensors (Adam m and v)')
+      '--optimizer',
+      action=argparse.BooleanOptionalAction,
+      default=False,
+      help='safetensors: also write optimizer.safetensors (Adam m and v); default: weights only')
   return parser
 
 
@@ -84,5 +87,7 @@ def main(argv: list[str]) -> int:
     with remote_args.local_checkpoint(args.source) as local:
       out = export_checkpoint(
           local, args.format, args.out, model_cfg=model_cfg, optimizer=args.optimizer)
-  print(f'exported {source} as {args.format} to {out}')
+  weights_only = args.format == 'safetensors' and not args.optimizer
+  print(f'exported {source} as {args.format} to {out}' +
+        (' (weights only; --optimizer also writes Adam m and v)' if weights_only else ''))
   return 0

@@ -2,6 +2,7 @@
 
     jaxckpt inspect runs/tiny/checkpoints/step_00000300          identity, knobs, every tensor
     jaxckpt inspect runs/tiny/checkpoints/step_00000300 --json   the same for scripts
+    jaxckpt inspect runs/tiny                                    its newest committed checkpoint
 
 It reads manifest.json and nothing else: no array is loaded and jax is not imported (so it answers
 in well under a second for any size of model). A manifest that does not match its own checksum is
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
@@ -194,6 +196,25 @@ def _describe_remote(url: str) -> dict[str, Any]:
   return d
 
 
+def _local(arg: str) -> Path:
+  """The checkpoint directory `arg` names: itself, or for a run (or its checkpoints) directory
+  its newest committed checkpoint, said on stderr (stdout stays the description alone)."""
+  path = Path(arg)
+  if path.is_dir() and not (path / layout.MANIFEST).is_file() and \
+      layout.parse_step(path.name) is None:
+    for root in (path / 'checkpoints', path):
+      committed = layout.committed_steps(root)
+      if committed:
+        step_dir = committed[max(committed)]
+        print(
+            f'jaxckpt: {path} holds checkpoints: inspecting the newest committed one, '
+            f'{step_dir}',
+            file=sys.stderr,
+            flush=True)
+        return step_dir
+  return discovery.checkpoint_dir(path)  # or the error that says what `path` is instead
+
+
 def main(argv: list[str]) -> int:
   """`jaxckpt inspect CKPT [--json]`."""
   parser = ArgumentParser(
@@ -202,14 +223,14 @@ def main(argv: list[str]) -> int:
       'from its manifest.json alone (no array is loaded).')
   parser.add_argument(
       'checkpoint',
-      help='a checkpoints/step_<n> directory, or the URL of a remote run (its '
-      'newest intact checkpoint) or checkpoint')
+      help='a checkpoints/step_<n> directory, a run directory (its newest committed '
+      'checkpoint), or the URL of a remote run (its newest intact checkpoint) or checkpoint')
   parser.add_argument('--json', action='store_true', help='one JSON object, for scripts')
   args = parser.parse_args(argv)
   if remote_args.is_url(args.checkpoint):
     d = _describe_remote(args.checkpoint)
   else:
-    step_dir = discovery.checkpoint_dir(args.checkpoint)
+    step_dir = _local(args.checkpoint)
     raw, m = discovery.read_manifest_bytes(step_dir)
     d = describe(step_dir, m, raw)
   print(json.dumps(d, indent=1) if args.json else render(d))

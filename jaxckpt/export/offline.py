@@ -23,6 +23,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxckpt.checkpoint import layout, manifest
+from jaxckpt.checkpoint.atomic import fsync_dir
 from jaxckpt.checkpoint.formats import data_file, read_host_arrays
 from jaxckpt.errors import CheckpointError, UsageError
 from jaxckpt.export import flatbin, frozen, hf, safetensors_io
@@ -130,7 +131,7 @@ def export_checkpoint(step_dir: str | os.PathLike,
                       out: str | os.PathLike,
                       *,
                       model_cfg=None,
-                      optimizer: bool = True) -> Path:
+                      optimizer: bool = False) -> Path:
   """Export a committed checkpoint as `fmt` at `out`; returns `out`.
 
   Args:
@@ -139,7 +140,9 @@ def export_checkpoint(step_dir: str | os.PathLike,
       `optimizer`), 'hf' (`out` is the GPT-2 directory) or 'bin' (`out` is the .bin file).
     out: where the export goes (`export_path` gives the conventional place).
     model_cfg: `config.model`; defaults to the one recorded in the manifest.
-    optimizer: write optimizer.safetensors next to model.safetensors (safetensors only).
+    optimizer: write optimizer.safetensors next to model.safetensors (safetensors only; off by
+      default, as for exports during training). Without it, an optimizer.safetensors left in
+      `out` by an earlier export is removed: it would not belong to the new model.safetensors.
   """
   _check_format(fmt, FORMATS)
   check_out(fmt, Path(out))
@@ -162,7 +165,7 @@ def export_bin(bin_path: str | os.PathLike,
                out: str | os.PathLike,
                model_cfg,
                *,
-               optimizer: bool = True) -> Path:
+               optimizer: bool = False) -> Path:
   """Export a `.bin` (weights, m, v) as 'safetensors' or 'hf' at `out`; returns `out`.
 
   Raises:
@@ -193,6 +196,9 @@ def _write(fmt: str, out: Path, step: int, cfg, params, m, v, *, optimizer: bool
   safetensors_io.write_model(out / MODEL_FILE, params, metadata=meta)
   if optimizer and m is not None:
     safetensors_io.write_optimizer(out / OPTIMIZER_FILE, m, v, metadata=meta)
+  elif (out / OPTIMIZER_FILE).exists():  # an earlier export's moments, of other weights
+    (out / OPTIMIZER_FILE).unlink()
+    fsync_dir(out)
   return out
 
 
@@ -200,6 +206,10 @@ def check_out(fmt: str, out: Path) -> None:
   """Before anything is read: an existing `out` of the other kind (a directory for a .bin, a
   file for safetensors or hf) is refused, never replaced by the export."""
   _check_format(fmt, FORMATS)
+  for parent in out.parents:  # a file where a directory of the path must go
+    if parent.exists() and not parent.is_dir():
+      raise UsageError('E-EXPORT-007', f'{parent} is a file, so {out} cannot be made',
+                       'name a path under a directory')
   if fmt == 'bin' and out.is_dir():
     raise UsageError('E-EXPORT-007', f'{out} is a directory; a bin export is one file',
                      f'name the file to write, e.g. {out / "step_NNNNNN.bin"}')

@@ -349,6 +349,10 @@ def delete(store: Store, step: int, may_delete: Callable[[str], None] = _never) 
   store.delete(prefix + REMOTE_META)
   store.delete(prefix + layout.MANIFEST)  # a checkpoint from before attempts
   store.delete_many([prefix + k for k in (key[len(prefix):] for key in store.list(prefix))])
+  if store.scheme == 'file':  # a path keeps folders: remove those this emptied, deepest first
+    for folder, _, _ in os.walk(Path(store.prefix) / prefix, topdown=False):
+      with contextlib.suppress(OSError):  # rmdir refuses a folder that still holds something
+        os.rmdir(folder)
 
 
 def download(
