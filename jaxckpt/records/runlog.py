@@ -6,6 +6,8 @@
   skip a line that does not parse. The loss history is never rewritten: steps replayed after a
   resume are appended again under a new `segment`, and `read_loss_history` keeps the newest
   segment's value for each step.
+- With `mirror(scalars)`, the loss rows and the `eval` and `checkpoint` events also go to
+  TensorBoard event files (`jaxckpt.records.tensorboard`), after the line is written here.
 """
 
 from __future__ import annotations
@@ -56,8 +58,20 @@ class RunLog:
     self._status: dict[str, Any] = {}
     # Each start of the trainer is a new segment of the loss history.
     self.segment = sum(1 for e in read_jsonl(self.workdir / EVENTS) if e['event'] == 'started')
+    self._scalars = None  # a `tensorboard.Scalars`, or None
+
+  def mirror(self, scalars) -> None:
+    """Also hand what `losses` and `event` write to `scalars` (a `tensorboard.Scalars`)."""
+    self._scalars = scalars
+
+  def close(self) -> None:
+    """Closes the mirror's event file; the records here need no closing (each line is synced)."""
+    scalars, self._scalars = self._scalars, None
+    if scalars is not None:
+      scalars.close()
 
   def _append(self, name: str, rows: Iterable[Mapping[str, Any]], *, sync: bool) -> None:
+    rows = list(rows)
     data = ''.join(json.dumps(r, separators=(',', ':')) + '\n' for r in rows)
     if not data:
       return
@@ -70,6 +84,9 @@ class RunLog:
       f.flush()
       if sync:
         os.fsync(f.fileno())
+    scalars = self._scalars
+    if scalars is not None:  # only what is in the records reaches TensorBoard
+      scalars.records(name, rows)
 
   def event(self, event: str, **fields: Any) -> None:
     self._append(EVENTS, [{'event': event, 'time': time.time(), **fields}], sync=True)

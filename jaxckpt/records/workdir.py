@@ -3,6 +3,7 @@
     WORKDIR/
       checkpoints/        step_<n>/ directories (the checkpoint library's)
       exports/            exports written during training and by `jaxckpt export`
+      tensorboard/        the scalars as TensorBoard event files, one per start (`tensorboard`)
       status.json, events.jsonl, loss.jsonl      run records (`runlog`)
       samples.json, bandit.json, archive/        phase satellites (`phases`)
       evaluated.json      the evaluator's results (`evaluate`)
@@ -30,6 +31,7 @@ from jaxckpt.errors import UsageError
 
 CHECKPOINTS = 'checkpoints'
 EXPORTS = 'exports'
+TENSORBOARD = 'tensorboard'
 STATUS = 'status.json'
 EVENTS = 'events.jsonl'
 LOSSES = 'loss.jsonl'
@@ -46,6 +48,10 @@ def checkpoints_dir(workdir: str | os.PathLike) -> Path:
 
 def exports_dir(workdir: str | os.PathLike) -> Path:
   return Path(workdir) / EXPORTS
+
+
+def tensorboard_dir(workdir: str | os.PathLike) -> Path:
+  return Path(workdir) / TENSORBOARD
 
 
 class WorkdirLock:
