@@ -53,7 +53,7 @@ from jaxckpt.checkpoint import cadence
 MIN, HOUR, DAY = 60.0, 3600.0, 86400.0
 MTBIS = {'10m': 10 * MIN, '1h': HOUR, '6h': 6 * HOUR, '1d': DAY, '1w': 7 * DAY}
 NOISE = 0.3  # lognormal σ of one measurement of δ
-HEARTBEAT_S = 60.0  # --heartbeat_timeout_seconds: a lost host is noticed this long after
+HEARTBEAT_S = 60.0  # --heartbeat_timeout_secs: a lost host is noticed this long after
 HOST_LOSS_SHARE = 0.5  # of the interruptions, in the host-loss scenarios
 
 

@@ -106,7 +106,7 @@ def test_four_processes_then_two_then_one_continue_the_run(tmp_path, compile_cac
 
 
 def test_sigkill_of_one_process_stops_the_others_and_the_rerun_resumes(tmp_path, compile_cache):
-  flags = ('--config.train.steps=100000', '--checkpoint_every=5', '--heartbeat_timeout_seconds=3')
+  flags = ('--config.train.steps=100000', '--checkpoint_every=5', '--heartbeat_timeout_secs=3')
   procs = launch(compile_cache, tmp_path, 2, *flags)
   wait_for(lambda: committed_steps(tmp_path), procs[0], timeout=180)
   procs[1].kill()
@@ -181,7 +181,7 @@ def launch_then_stop_process_1(cache, workdir, *flags: str):
   hangs for real in the next step's collective, every process alive as far as its sockets know
   (one CPU device per process: with several, gloo can hang by itself, openxla/xla#16430)."""
   procs = launch(cache, workdir, 2, '--config.train.steps=100000', '--checkpoint_every=0',
-                 '--heartbeat_timeout_seconds=300', *flags)  # the watchdog of lost ones waits
+                 '--heartbeat_timeout_secs=300', *flags)  # the watchdog of lost ones waits
   status = Path(workdir) / 'status.json'
   wait_for(
       lambda: status.exists() and json.loads(status.read_text()).get('step', 0) >= 5,

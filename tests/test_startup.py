@@ -104,7 +104,7 @@ def test_a_failure_at_start_on_one_process_stops_every_process_at_once(tmp_path,
   corpus.write_bytes(data.embedded_corpus())
   missing = tmp_path / 'host1' / 'corpus.txt'  # the same file, not on this host's disk
   run = tmp_path / 'run'
-  base = argv(run, 2, '--barrier_timeout_secs=600', '--heartbeat_timeout_seconds=300')
+  base = argv(run, 2, '--barrier_timeout_secs=600', '--heartbeat_timeout_secs=300')
 
   def argv_of(k, coordinator):
     return [*base(k, coordinator), f'--config.data.sources.main=("{[corpus, missing][k]}",)']

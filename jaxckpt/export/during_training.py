@@ -63,7 +63,7 @@ def parse_formats(formats: str | tuple[str, ...]) -> tuple[str, ...]:
   unknown = sorted(set(names) - set(FORMATS))
   if unknown:
     raise ConfigError(
-        'E-CONFIG-005', f'export.formats={",".join(names)!r}: unknown format(s) '
+        'E-CONFIG-009', f'export.formats={",".join(names)!r}: unknown format(s) '
         f'{", ".join(unknown)}', f'use a comma list of {", ".join(FORMATS)} '
         '(--export_formats=safetensors,hf)')
   return tuple(f for f in FORMATS if f in names)
@@ -74,12 +74,12 @@ def options_from_config(config) -> ExportOptions:
   e = config.export
   for field in ('every', 'keep'):
     if e[field] < 0:
-      raise ConfigError('E-CONFIG-005', f'export.{field}={e[field]} is negative',
+      raise ConfigError('E-CONFIG-009', f'export.{field}={e[field]} is negative',
                         f'use 0 to turn it off (--export_{field}=0)')
   formats = parse_formats(e.formats)
   if e.every and not formats:
     raise ConfigError(
-        'E-CONFIG-005', 'export.every is set but export.formats is empty',
+        'E-CONFIG-009', 'export.every is set but export.formats is empty',
         'name formats with --export_formats=safetensors,hf,bin, or set '
         '--export_every=0')
   return ExportOptions(every=e.every, formats=formats, keep=e.keep, optimizer=bool(e.optimizer))
@@ -247,20 +247,37 @@ class Exporter:
   Args:
     directory: the run's `exports/` directory; its debris is removed now.
     config: the run's config (`export`, `model`, `train.steps`).
-    runlog: where `export`, `export_skipped`, `export_failed` and `cleaned` events go (optional).
+    runlog: where `export`, `export_skipped`, `export_failed`, `exports_off` and `cleaned`
+      events go (optional).
+    processes: of the run. Across processes no host holds a whole checkpoint in memory (each
+      stages its own shards), so none exports: that is said once, here, with what to do.
   """
 
-  def __init__(self, directory: str | os.PathLike, config, runlog: Any = None):
+  def __init__(self,
+               directory: str | os.PathLike,
+               config,
+               runlog: Any = None,
+               *,
+               processes: int = 1):
     self.directory = Path(directory)
     self.options = options_from_config(config)
     self.model_cfg = config.model
     self.last_step = config.train.steps
+    self.processes = processes
     self._runlog = runlog
     self._previous: int | None = None
     self.removed_debris = remove_debris(self.directory)
     if self.removed_debris:
       self._event('cleaned', what='exports', paths=[str(p) for p in self.removed_debris])
       logging.info('removed %d incomplete export(s)', len(self.removed_debris))
+    if processes > 1 and self.options.every:
+      reason = (f'across {processes} processes each one holds only its own shards of a '
+                'checkpoint')
+      self._event('exports_off', processes=processes, every=self.options.every, reason=reason)
+      logging.info(
+          'exports during training are off (export.every=%d): %s; export a checkpoint after '
+          'the fact with `jaxckpt export %s/checkpoints/step_<n> --format=%s --out=DIR`',
+          self.options.every, reason, self.directory.parent, self.options.formats[0])
 
   def _event(self, name: str, **fields: Any) -> None:
     if self._runlog is not None:
@@ -273,6 +290,8 @@ class Exporter:
     export is skipped (recorded; `jaxckpt export` can write it from the checkpoint).
     """
     previous, self._previous = self._previous, info.step
+    if self.processes > 1:
+      return None  # said at the start
     if not export_due(info.step, previous, self.options.every, self.last_step):
       return None
     if stopping:

@@ -10,7 +10,7 @@
   history and the phase satellites (`run_log`); the others wait for its lock and write none.
 - Agreement (`jaxckpt.hosts.agreement`): stops and saves happen after the same step on every process.
 - A lost process (`Watchdog`): each process leaves a sign of life in the key-value store; one
-  silent for `--heartbeat_timeout_seconds` is lost, and every other process stops within that
+  silent for `--heartbeat_timeout_secs` is lost, and every other process stops within that
   time with E-DIST-006 naming it. A save in flight is never committed without its part.
 """
 
@@ -99,7 +99,7 @@ def initialize(coordinator_address: str | None = None,
       address,
       init_timeout_secs=init_timeout_secs,
       barrier_timeout_secs=timeout_secs,
-      heartbeat_timeout_seconds=heartbeat_timeout_seconds)
+      heartbeat_timeout_secs=heartbeat_timeout_seconds)  # the flag's name, for its error
   import jax  # pylint: disable=import-outside-toplevel
   # Stops are agreed here (`Agreement`); JAX's own preemption service would take SIGTERM away
   # from the trainer's handler.

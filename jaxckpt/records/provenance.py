@@ -17,6 +17,7 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -102,12 +103,26 @@ def knob_table(config,
   return table
 
 
+def make_config_importable(config_file: str | os.PathLike) -> None:
+  """Let a config file import its siblings from any working directory.
+
+  Config files import each other as their folder's package (`from configs import default` in
+  `configs/tiny.py`), which Python finds only from the folder above `configs/`: that folder goes
+  on `sys.path` (once), so `--config=/abs/path/configs/tiny.py` loads from anywhere. Last, not
+  first: nothing there can shadow a module the process imports later (jax, numpy).
+  """
+  root = str(Path(config_file).expanduser().resolve().parent.parent)
+  if root not in sys.path:
+    sys.path.append(root)
+
+
 def load_config_file(path: str | os.PathLike):
   """A config file's `get_config()` (a `path:arg` suffix is passed to it), before any flag."""
   path = str(path)
   arg = None
   if ':' in Path(path).name:
     path, arg = path.rsplit(':', 1)
+  make_config_importable(path)
   spec = importlib.util.spec_from_file_location(f'_jaxckpt_config_{abs(hash(path))}', path)
   if spec is None or spec.loader is None:
     raise FileNotFoundError(path)

@@ -8,6 +8,7 @@ decides whether a config can run, before anything is compiled or written.
 from __future__ import annotations
 
 from jaxckpt.checkpoint import ArgumentError, CheckpointOptions, cadence
+from jaxckpt.checkpoint.remote import StoreError, parse_url
 from jaxckpt.errors import ConfigError
 from jaxckpt.export import during_training
 from jaxckpt.model import bandit as bandit_lib
@@ -57,17 +58,24 @@ def validate_config(config) -> None:
 
 
 def _validate_sources(sources) -> None:
-  """Each data source names its files: `--config.data.sources.main=5` parses as `(5,)`."""
+  """Each data source names its files (a tuple of paths, one path, a comma-separated string or
+  a glob: `jaxckpt.model.data.source_paths`): `--config.data.sources.main=5` parses as `(5,)`."""
   for name, paths in sources.items():
+    if isinstance(paths, str):
+      continue
     if not isinstance(paths, (tuple, list)) or not all(isinstance(p, str) for p in paths):
       raise ConfigError(
           'E-CONFIG-001', f'data.sources.{name}={paths!r} is not a tuple of file paths',
-          f"set --config.data.sources.{name}=\"('file.txt',)\" (text files, uint16 .bin "
-          "files or 'embedded')")
+          f"set --config.data.sources.{name}=\"('file.txt',)\" or =a.bin,b.bin (text files, "
+          "uint16 .bin files, globs or 'embedded')")
 
 
 def _validate_remote(c) -> None:
-  """The remote tier's times (the URL itself is checked, with the store, before step 1)."""
+  """The remote tier's URL form and times (the store itself is checked before step 1)."""
+  try:
+    parse_url(c.get('remote', '') or '.')
+  except StoreError as e:  # before the workdir is touched; its `what` starts with the URL
+    raise ConfigError(e.code, f'--remote={e.what}', e.fix) from None
   if not c.get('remote_lease_secs', 60.0) > 0:
     raise ConfigError('E-CONFIG-004', f'checkpoint remote_lease_secs={c.remote_lease_secs} is not '
                       'positive', 'set --remote_lease_secs to seconds, e.g. 60')

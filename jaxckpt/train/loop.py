@@ -15,8 +15,10 @@ library itself in `jaxckpt.checkpoint`.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ from jaxckpt.export import during_training
 from jaxckpt.hosts import agreement, distributed, stepwatch
 from jaxckpt.hosts.remote import RemoteRun
 from jaxckpt.model import data as data_lib
-from jaxckpt.records import identity, phases
+from jaxckpt.records import identity, phases, tensorboard
 from jaxckpt.records import provenance as provenance_lib
 from jaxckpt.records.runlog import RunLog
 from jaxckpt.records.workdir import checkpoints_dir, exports_dir
@@ -127,6 +129,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
   workdir = Path(workdir)
   # `startup`: a failure before the first step, of any kind, stops every process at once.
   with watcher or signals.PreemptionWatcher() as watcher, distributed.startup(), \
+      _read_inputs(config, resume) as dataset, \
       distributed.run_lock(workdir) as lock, \
       RemoteRun.opened(config, workdir, distributed.current()) as remote:  # before any compile
     ckpt_dir = checkpoints_dir(workdir)
@@ -150,11 +153,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     # By seal, not name: hosts can hold different commits of one step (another history's).
     distributed.agree('resume', str(resume_dir and commit_label(resume_dir)),
                       'the checkpoint to resume from')
-    dataset = data_lib.from_config(config)
     trainer = build_trainer(config)
-    pin = init_from_lib.pin(config.train.get('init_from', ''), fresh=resume_dir is None)
+    logging.info('%s', _describe_start(trainer, resume_dir))
+    pin = init_from_lib.pin(
+        config.train.get('init_from', ''), config.model, fresh=resume_dir is None)
     runlog = distributed.run_log(workdir)  # process 0 writes the records
-    exporter = during_training.Exporter(exports_dir(workdir), config, runlog)  # cleans debris
+    exporter = during_training.Exporter(  # cleans debris; says so when it cannot export here
+        exports_dir(workdir),
+        config,
+        runlog,
+        processes=distributed.current().count)
     # Built before this start is recorded: it reads the earlier starts' interruptions.
     cadence = SaveCadence(
         config, runlog, cadence_options(config), epoch=dataset.epoch, state=trainer.abstract_state)
@@ -205,6 +213,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         remote=remote)
     try:
       state, step = resume_lib.start(session, resume, resume_dir)
+      if distributed.leader():  # process 0 writes the records, TensorBoard's too
+        tensorboard.mirror(runlog, config, first_step=step)
       if remote is not None:  # the checkpoint it continues from, after any fallback
         remote.started(session.resumed_from, ckpt_dir)
       distributed.started()
@@ -224,7 +234,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       runlog.status(state='failed', error=f'{type(e).__name__}: {e}')
       raise
     finally:
-      mgr.close()
+      try:
+        mgr.close()
+      finally:
+        runlog.close()  # after the last commit: its timings are in the event file
+
+
+def _read_inputs(config, resume: str) -> contextlib.nullcontext:
+  """The training data (in a `with`: a `nullcontext` of it) and an explicit --resume checked: a
+  start they refuse is refused before the workdir and its LOCK are created, and within
+  `distributed.startup()`, so the other processes hear of it."""
+  if resume not in ('latest', 'none'):
+    resume_lib.find_resume_point(resume, Path())  # reads the path given, not the workdir
+  return contextlib.nullcontext(data_lib.from_config(config))
+
+
+def _describe_start(trainer: Trainer, resume_dir: Path | None) -> str:
+  """The start-up's second line, once the mesh is built (`main` logs the first)."""
+  params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state().params))
+  step = re.search(r'\d+', resume_dir.name) if resume_dir is not None else None
+  resumes = ('a fresh start' if resume_dir is None else
+             f'resumes from step {int(step[0]) if step else "?"} at {resume_dir}')
+  return (f'{params:,} parameters; mesh {dict(trainer.mesh.shape)} over {jax.device_count()} '
+          f'{jax.devices()[0].platform} device(s), {jax.process_count()} process(es); {resumes}')
 
 
 def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) -> TrainState:
@@ -290,6 +322,8 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
   # for all of them. Waiting, after dispatching step k, for step k-1 keeps the devices busy
   # (step k is queued) and a stop within two step times plus the commit.
   in_flight, bound = collections.deque(), config.train.get('max_steps_in_flight', 2)
+  if step < total:  # the first step waits for it: minutes for a large model on a CPU
+    logging.info('compiling the train step...')
   while step < total and agree.stop_signal is None:
     arm = session.bandit.choose(step)
     state, metrics = trainer.train_step(state, trainer.put_batch(dataset.batch(step, arm)))
