@@ -20,8 +20,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.dtype = 'float32'  # compute dtype: float32 or bfloat16 (params stay float32)
 
   config.data = ml_collections.ConfigDict()
-  # Named sources -> their files (text, uint16 .bin, or 'embedded': the corpus shipped with
-  # jaxckpt). With several sources the bandit picks the source of each batch.
+  # Named sources -> their files, in order (text, uint16 .bin shards, memory-mapped; globs like
+  # 'data/train_*.bin'; or 'embedded': the corpus shipped with jaxckpt). A flag may give
+  # `--config.data.sources.main=a.bin,b.bin`. With several sources the bandit picks the source
+  # of each batch.
   config.data.sources = ml_collections.ConfigDict({'main': ('embedded',)})
   config.data.heldout_fraction = 0.05  # tail of the tokens kept for evaluation
 
@@ -37,11 +39,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.grad_clip = 1.0  # global-norm clipping
   config.train.log_every = 50  # steps between progress lines
   # Steps dispatched to the devices and not yet done, at most (0: no bound). 2 keeps the devices
-  # busy and a stop signal honoured within two step times (README: Preemption and signals).
+  # busy and a stop signal honoured within two step times (docs/preemption.md).
   config.train.max_steps_in_flight = 2
   config.train.eval_every = 0  # steps between held-out evaluations (0: off)
   config.train.eval_batches = 4  # held-out batches per evaluation
   config.train.guard_finite = False  # refuse to commit a checkpoint holding NaN/inf
+  config.train.tensorboard = True  # also write the scalars as event files in <workdir>/tensorboard
   config.train.init_from = ''  # safetensors file with dotted names (an export) to start from
   config.train.frozen = ()  # globs over dotted parameter names never updated, e.g. ('wte.*',)
 
@@ -69,7 +72,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.checkpoint = ml_collections.ConfigDict()
   # Steps between checkpoints (0: off), or 'auto': Young-Daly from the measured cost of a
-  # checkpoint and the run's interruptions (README: Checkpoint cadence). The last step saves too.
+  # checkpoint and the run's interruptions (docs/cadence.md). The last step saves too.
   config.checkpoint.every = ml_collections.FieldReference(100, field_type=object)  # int or 'auto'
   config.checkpoint.secs = 0.0  # seconds between checkpoints (0: off)
   config.checkpoint.epochs = 0  # also save when every N-th epoch of the training data ends (0: off)
@@ -82,9 +85,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.keep = 3  # newest checkpoints kept (0: all)
   config.checkpoint.keep_every = 0  # steps divisible by this are kept forever (0: off)
   config.checkpoint.keep_best = 0  # also keep the N of lowest held-out loss (see train.eval_every)
-  config.checkpoint.storage = 'auto'  # safetensors (1 file, disk speed) | orbax; auto: by processes
+  config.checkpoint.storage = 'auto'  # safetensors (1 file per process) | orbax; auto: safetensors
   config.checkpoint.staging = 'auto'  # host | device (a 2nd copy in device memory) | auto
-  # The durable tier (README: Remote checkpoints): s3://bucket/prefix, gs://bucket/prefix or a
+  # The durable tier (docs/remote.md): s3://bucket/prefix, gs://bucket/prefix or a
   # path on a mounted disk. Each local commit is uploaded in the background (manifest last); a
   # fresh machine with an empty workdir resumes from there ('': off).
   config.checkpoint.remote = ''
