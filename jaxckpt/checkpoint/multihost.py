@@ -13,8 +13,8 @@ array, the start in the global shape and the CRC-32 of each.
 
 A save: every process writes its file in the same temporary directory (named after the step, so
 all agree on it) and fsyncs it, posts what it wrote to the `jax.distributed` key-value store and
-waits at a barrier; process 0 then writes `manifest.json` (covering every file) and commits, and
-the others wait for its word. A process that does not arrive within the timeout is named in a
+waits at a barrier; process 0 then reads every post, writes `manifest.json` (covering every file)
+and commits, and the others, having read no one's post, wait for its word. A process that does not arrive within the timeout is named in a
 one-line error, and nothing is committed. Where the directory is each host's own disk (not
 shared: `Group.open` finds out), every process then commits its own part under the same
 manifest, and the checkpoint is whole only where the parts are brought together (the remote
@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from . import atomic, layout, statefile
+from . import atomic, layout, statefile, traffic
 from .checksum import crc32
 from .directio import pread_into
 from .errors import CheckpointError
@@ -46,9 +46,10 @@ SHARED_PROBE = '.jaxckpt-shared'  # + '-<k>': process k's token; who sees it sha
 
 
 def client():
-  """The `jax.distributed` client of this process (None without `jax.distributed.initialize`)."""
+  """The `jax.distributed` client of this process (None without `jax.distributed.initialize`);
+  counted once `traffic.count_traffic()` was called."""
   from jax._src.distributed import global_state  # pylint: disable=import-outside-toplevel
-  return global_state.client
+  return traffic.counted(global_state.client)
 
 
 class Group:
@@ -80,23 +81,33 @@ class Group:
     groups (several per host, one disk per host) are refused: E-DIST-007."""
     what = f'opening {directory}'
     directory.mkdir(parents=True, exist_ok=True)
-    token = ''
     if self.leader:
       tidy()
       token = f'{os.getpid()}-{os.urandom(8).hex()}'
-    token = self.sync('probe', what, token)[0]
+      self.announce('probe', token)
+    else:
+      token = self.await_word('probe', what)
     mine = directory / f'{SHARED_PROBE}-{self.index}'
     atomic.write_file_durably(mine, token.encode())
-    self.sync('probed', what)
+    self.collect('probed', what, '')
     names = set(os.listdir(directory))  # listing first: a network filesystem looks again
     seen = [k for k in range(self.count) if _holds(directory, f'{SHARED_PROBE}-{k}', names, token)]
-    views = [json.loads(v) for v in self.sync('seen', what, json.dumps(seen))]
+    # Process 0 alone reads what each sees and says what it makes of it: one word to the others.
+    views = self.collect('seen', what, json.dumps(seen))
+    if self.leader:
+      views = [json.loads(v) for v in views]
+      verdict = 'shared' if all(len(v) == self.count for v in views) else 'own'
+      if verdict == 'own' and any(v != [k] for k, v in enumerate(views)):
+        verdict = f'{directory} is shared by some of the {self.count} processes and not by ' \
+            f'others (each sees the files of: {views})'
+      self.announce('seen', verdict)
+    else:
+      verdict = self.await_word('seen', what)
     mine.unlink(missing_ok=True)
-    self.shared = all(len(v) == self.count for v in views)
-    if not self.shared and any(v != [k] for k, v in enumerate(views)):
+    self.shared = verdict == 'shared'
+    if verdict not in ('shared', 'own'):
       raise CheckpointError(
-          'E-DIST-007', f'{directory} is shared by some of the {self.count} processes and not by '
-          f'others (each sees the files of: {views})', 'use a filesystem every process mounts, '
+          'E-DIST-007', verdict, 'use a filesystem every process mounts, '
           'or one process per host, each with its own disk')
     if not self.shared and not self.leader:
       tidy()  # this process's own disk
@@ -108,21 +119,33 @@ class Group:
 
   def sync(self, name: str, what: str, payload: str = '') -> list[str]:
     """Post `payload`, wait until every process has posted its own, and return them all (in
-    process order). E-DIST-002 names the processes that did not arrive within the timeout."""
-    self._client.key_value_set(f'{self.prefix}/{name}/{self.index}', payload, allow_overwrite=True)
+    process order). E-DIST-002 names the processes that did not arrive within the timeout.
+    Every process reads every payload: for small ones, or where each needs them all."""
+    return self.collect(name, what, payload, everyone=True)
+
+  def collect(self, name: str, what: str, payload: str, *, everyone: bool = False):
+    """Post `payload` and wait until every process has posted its own: process 0 (every process
+    when `everyone`) gets them all, in process order; the others None, having read nothing but
+    the barrier's answer (their cost stays flat in the process count). E-DIST-002, on every
+    process, names the processes that did not arrive within the timeout."""
+    self._client.key_value_set(
+        f'{self.prefix}/{name}/part/{self.index}', payload, allow_overwrite=True)
+    self._client.key_value_set(f'{self.prefix}/{name}/here/{self.index}', '', allow_overwrite=True)
     try:
       self._client.wait_at_barrier(f'{self.prefix}/{name}', int(self.timeout_secs * 1000))
     except Exception as e:  # pylint: disable=broad-except  # the runtime's own error types
-      late = sorted(set(range(self.count)) - set(self._posted(name)))
+      late = sorted(set(range(self.count)) - set(self._posted(name, 'here')))
       raise CheckpointError(
           'E-DIST-002', f'{what}: process(es) {late or "?"} of {self.count} did not arrive '
           f'within {self.timeout_secs:g} s ({" ".join(str(e).split())[:160]})',
           'they stopped, were lost or are far behind; nothing was committed') from None
-    return [v for _, v in sorted(self._posted(name).items())]
+    if not (everyone or self.leader):
+      return None
+    return [v for _, v in sorted(self._posted(name, 'part').items())]
 
-  def _posted(self, name: str) -> dict[int, str]:
+  def _posted(self, name: str, kind: str) -> dict[int, str]:
     try:
-      found = self._client.key_value_dir_get(f'{self.prefix}/{name}/')
+      found = self._client.key_value_dir_get(f'{self.prefix}/{name}/{kind}/')
     except Exception:  # pylint: disable=broad-except
       return {}
     return {int(k.rsplit('/', 1)[1]): v for k, v in found}

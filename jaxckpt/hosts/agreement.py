@@ -10,7 +10,9 @@ process notices the round and votes at once, independently of its training loop:
 loop last finished, and what this process wants (save, stop). All act after step
 `max(votes) + 1`: no process has passed it, because each one waits, at the step after the one
 it voted with, for the outcome, which takes only the other threads' votes, never another
-loop's progress (a loop waiting on another loop is how collectives deadlock).
+loop's progress (a loop waiting on another loop is how collectives deadlock). Process 0's thread
+reads the votes and posts the outcome as one key, so every other process's work per round is one
+write and one read, whatever the number of processes.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class Agreement:
     return save
 
   def _vote_loop(self) -> None:
-    client, me, n = self.cluster.client(), self.cluster.index, self.cluster.count
+    client, me = self.cluster.client(), self.cluster.index
     while not self._closed.is_set():
       r = self._round
       try:
@@ -120,24 +122,13 @@ class Agreement:
         self._want, self._stop_asked = False, self._stop_asked or bool(stop)
         self._voted_at = self._position
       client.key_value_set(f'{_ROUNDS}/{r}/vote/{me}', json.dumps(vote), allow_overwrite=True)
-      votes = {}
-      deadline = time.monotonic() + self.cluster.timeout_secs
-      try:
-        for k in range(n):
-          left = max(1, int((deadline - time.monotonic()) * 1000))
-          votes[k] = json.loads(client.blocking_key_value_get(f'{_ROUNDS}/{r}/vote/{k}', left))
-      except Exception:  # pylint: disable=broad-except  # the runtime's own error types
-        missing = [k for k in range(n) if k not in votes]
+      decided = self._outcome(client, r) if self.cluster.leader else self._read_outcome(client, r)
+      if isinstance(decided, JaxckptError):
         with self._cond:
-          self._error = JaxckptError(
-              'E-DIST-005', f'process(es) {missing} did not vote on a save or stop within '
-              f'{self.cluster.timeout_secs:g} s', 'every process must run the same command; a '
-              'lost one is named by the others')
+          self._error = decided
           self._cond.notify_all()
         return
-      stops = [v[2] for _, v in sorted(votes.items()) if v[2]]
-      outcome = (max(v[0] for v in votes.values()) + 1, any(v[1] for v in votes.values()),
-                 stops[0] if stops else 0)
+      outcome = tuple(decided)
       if self.cluster.leader and r >= 2:  # every process has counted round r - 2
         client.key_value_delete(f'{_ROUNDS}/{r - 2}')
       with self._cond:
@@ -145,7 +136,47 @@ class Agreement:
         self._voted_at, self._round = None, r + 1
         self._cond.notify_all()
 
+  def _outcome(self, client, r: int) -> list | JaxckptError:
+    """Process 0: every vote of round `r` read, the outcome posted (one small key the others read,
+    so their work per round does not grow with the number of processes)."""
+    n, votes = self.cluster.count, {}
+    deadline = time.monotonic() + self.cluster.timeout_secs
+    try:
+      for k in range(n):
+        left = max(1, int((deadline - time.monotonic()) * 1000))
+        votes[k] = json.loads(client.blocking_key_value_get(f'{_ROUNDS}/{r}/vote/{k}', left))
+    except Exception:  # pylint: disable=broad-except  # the runtime's own error types
+      missing = [k for k in range(n) if k not in votes]
+      client.key_value_set(
+          f'{_ROUNDS}/{r}/outcome', json.dumps({'missing': missing}), allow_overwrite=True)
+      return _not_voted(missing, self.cluster.timeout_secs)
+    stops = [v[2] for _, v in sorted(votes.items()) if v[2]]
+    outcome = [
+        max(v[0] for v in votes.values()) + 1,
+        any(v[1] for v in votes.values()), stops[0] if stops else 0
+    ]
+    client.key_value_set(f'{_ROUNDS}/{r}/outcome', json.dumps(outcome), allow_overwrite=True)
+    return outcome
+
+  def _read_outcome(self, client, r: int) -> list | JaxckptError:
+    """Another process: round `r`'s outcome as process 0 posted it, within the timeout (process 0
+    waits as long for the votes, and posts which were missing when it gives up)."""
+    wait_ms = int((2 * self.cluster.timeout_secs + 5) * 1000)
+    try:
+      decided = json.loads(client.blocking_key_value_get(f'{_ROUNDS}/{r}/outcome', wait_ms))
+    except Exception:  # pylint: disable=broad-except
+      return _not_voted([0], 2 * self.cluster.timeout_secs + 5, what='post the outcome of')
+    if isinstance(decided, dict):
+      return _not_voted(list(decided.get('missing') or []), self.cluster.timeout_secs)
+    return decided
+
   def close(self) -> None:
     self._closed.set()
     if self.cluster.count > 1:
       self._thread.join(timeout=5)
+
+
+def _not_voted(missing: list[int], secs: float, what: str = 'vote on') -> JaxckptError:
+  return JaxckptError('E-DIST-005',
+                      f'process(es) {missing} did not {what} a save or stop within {secs:g} s',
+                      'every process must run the same command; a lost one is named by the others')

@@ -9,9 +9,9 @@
 - Records: process 0 holds the workdir lock and writes `status.json`, `events.jsonl`, the loss
   history and the phase satellites (`run_log`); the others wait for its lock and write none.
 - Agreement (`jaxckpt.hosts.agreement`): stops and saves happen after the same step on every process.
-- A lost process (`Watchdog`): each process leaves a sign of life in the key-value store; one
-  silent for `--heartbeat_timeout_secs` is lost, and every other process stops within that
-  time with E-DIST-006 naming it. A save in flight is never committed without its part.
+- A lost process (`jaxckpt.hosts.watchdog`): each process leaves a sign of life in the key-value
+  store, process 0 reads them all; one silent for `--heartbeat_timeout_secs` is lost, and every
+  other process stops within that time with E-DIST-006 naming it (process 0's verdict). A save in flight is never committed without its part.
 """
 
 from __future__ import annotations
@@ -19,10 +19,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import math
 import os
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -32,10 +29,9 @@ from absl import logging
 from jaxckpt.checkpoint.errors import CheckpointError
 from jaxckpt.errors import JaxckptError, UsageError, exit_code
 from jaxckpt.hosts import joining
+from jaxckpt.hosts.watchdog import _AT_START, _PREFIX, Watchdog, _peer_stopped, _records
 from jaxckpt.records.runlog import RunLog
 from jaxckpt.records.workdir import WorkdirLock
-
-_PREFIX = 'jaxckpt/run'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +57,6 @@ _closing: list[Callable[[], None]] = []  # threads of this process that talk to 
 _failed = False  # this process stops for an error: the others need not wait for it
 _starting = False  # within `startup()`, before `started()`
 _exit_code: int | None = None  # this process failed at start, and exits with this
-_peer_stopped: list[str] = []  # the E-DIST-009 line of a process that failed at start
-_AT_START = 'at start: '  # 'failed at start: LINE': the last word of a process failed at start
 
 
 def current() -> Cluster:
@@ -215,9 +209,6 @@ class _FollowerLog(RunLog):
     pass
 
 
-_records: list[RunLog] = []  # the run log a lost process is recorded in
-
-
 def run_log(workdir: str | os.PathLike) -> RunLog:
   """The run's records: written by process 0 (or the only process), by no other."""
   log = RunLog(workdir) if leader() else _FollowerLog(workdir)
@@ -269,13 +260,23 @@ def first_problem(name: str, problem: str | None) -> str | None:
   reports under `name`: the same answer on every process."""
   if _cluster.count == 1:
     return problem
-  return next((r for r in _exchange(name, problem or '') if r), None)
+  return _decide(name, problem or '', lambda values: next((v for v in values if v), '')) or None
 
 
-def _exchange(name: str, value: str) -> list[str]:
-  """Post this process's `value` under `name`; every process's, in process order."""
-  _cluster.client().key_value_set(f'{_PREFIX}/{name}/{_cluster.index}', value, allow_overwrite=True)
-  return [_wait(_cluster, f'{_PREFIX}/{name}/{k}', name) for k in range(_cluster.count)]
+def _decide(name: str, value: str, decide: Callable[[list[str]], str]) -> str:
+  """Post this process's `value` under `name`; `decide(every process's, in process order)`, the
+  same on every process. Process 0 gathers the values and posts its decision: each other
+  process sends one value and reads one answer, whatever the process count."""
+  client, key = _cluster.client(), f'{_PREFIX}/{name}'
+  if not _cluster.leader:
+    client.key_value_set(f'{key}/{_cluster.index}', value, allow_overwrite=True)
+    return _wait(_cluster, f'{key}/answer', f"{name} (process 0's answer)")
+  values = [value] + [
+      _wait(_cluster, f'{key}/{k}', f'{name} (process {k})') for k in range(1, _cluster.count)
+  ]
+  answer = decide(values)
+  client.key_value_set(f'{key}/answer', answer, allow_overwrite=True)
+  return answer
 
 
 def together(name: str, fn: Callable[[], Any], undo: Callable[[Any], None] = lambda r: None):
@@ -300,11 +301,15 @@ def agree(name: str, value: str, what: str) -> None:
   """E-DIST-008 unless every process has the same `value` of `what`."""
   if _cluster.count == 1:
     return
-  values = _exchange(name, value)
-  if len(set(values)) > 1:
+
+  def differences(values: list[str]) -> str:  # on process 0: '' when all agree
+    return '' if len(set(values)) == 1 else ', '.join(
+        f'process {k}: {v}' for k, v in enumerate(values))
+
+  disagree = _decide(name, value, differences)
+  if disagree:
     raise JaxckptError(
-        'E-DIST-008', f'the processes disagree on {what}: ' +
-        ', '.join(f'process {k}: {v}' for k, v in enumerate(values)),
+        'E-DIST-008', f'the processes disagree on {what}: {disagree}',
         "every host's workdir must hold the same checkpoints: one shared filesystem, or --remote "
         '(README: Many hosts)')
 
@@ -333,101 +338,3 @@ def _wait(cluster: Cluster, key: str, what: str) -> str:
       'E-DIST-005', f'waited {cluster.timeout_secs:g} s for {what} from the other processes: '
       f'{" ".join(str(error).split())[:160]}', 'start every process of the job (same flags but '
       '--process_id); a lost one is named by the others')
-
-
-# ----------------------------------------------------------------------------- lost process
-class Watchdog(threading.Thread):
-  """Signs of life in the key-value store; a process silent for `heartbeat_secs` is lost.
-
-  Every process then exits 1 with E-DIST-006 naming it (after `on_lost`, which records it):
-  the collective it may be blocked in, or the save barrier it waits at, never returns.
-  """
-
-  def __init__(self, cluster: Cluster, on_lost: Callable[[str], None] | None = None):
-    super().__init__(name='jaxckpt-watchdog', daemon=True)
-    self.cluster, self.on_lost = cluster, on_lost
-    self.period = max(0.2, min(2.0, cluster.heartbeat_secs / 10))
-    self.lost = threading.Event()
-    self._finished = threading.Event()
-
-  def finish(self, failed: bool, why: str = '') -> None:
-    """Stop watching, and leave the word 'done' or 'failed' (and `why`) instead of a sign of
-    life. Once: the first word stays."""
-    if self._finished.is_set():
-      return
-    self._finished.set()
-    if threading.current_thread() is not self:
-      self.join(timeout=10)
-    try:
-      self.cluster.client().key_value_set(
-          f'{_PREFIX}/alive/{self.cluster.index}',
-          ('failed' + (f' {why}' if why else '')) if failed else 'done',
-          allow_overwrite=True)
-    except Exception:  # pylint: disable=broad-except  # the coordinator may be gone already
-      pass
-
-  def run(self) -> None:
-    client, me, n = self.cluster.client(), self.cluster.index, self.cluster.count
-    # Every process joined `jax.distributed.initialize` before this starts: all count from now.
-    seen: dict[int, tuple[str | None, float]] = {k: (None, time.monotonic()) for k in range(n)}
-    beat, unreachable_since = 0, None
-    while not self._finished.is_set():
-      now = time.monotonic()
-      try:
-        beat += 1
-        client.key_value_set(f'{_PREFIX}/alive/{me}', str(beat), allow_overwrite=True)
-        alive = dict(client.key_value_dir_get(f'{_PREFIX}/alive/'))
-        unreachable_since = None
-      except Exception:  # pylint: disable=broad-except  # the coordinator (process 0) is gone
-        unreachable_since = unreachable_since or now
-        if now - unreachable_since > self.cluster.heartbeat_secs:
-          self._stop_all([0], 'the coordinator stopped answering')
-        self._finished.wait(self.period)
-        continue
-      for k in range(n):
-        value = alive.get(f'{_PREFIX}/alive/{k}')
-        if value == 'done':  # ended as it should: never lost
-          seen[k] = (value, math.inf)
-        elif value is not None and seen[k][0] != value:
-          seen[k] = (value, now)
-      words = {k: str(alive.get(f'{_PREFIX}/alive/{k}', '')) for k in range(n)}
-      for k in (k for k in range(n) if k != me and words[k].startswith('failed ' + _AT_START)):
-        what = words[k].partition(_AT_START)[2]
-        return self._stop_started(f'another process stopped: [process {k}] {what}')
-      failed = [k for k in range(n) if words[k].startswith('failed')]
-      silent = [k for k in range(n) if k != me and now - seen[k][1] > self.cluster.heartbeat_secs]
-      if failed or silent:
-        self._stop_all(failed or silent, 'it failed' if failed else 'no sign of life')
-      self._finished.wait(self.period)
-
-  def _stop_started(self, what: str) -> None:
-    """E-DIST-009: raised by `_wait` on the main thread (which unwinds, releasing what it
-    holds), else (it is in a collective that never returns) exit 2 from here."""
-    _peer_stopped.append(what)
-    if self._finished.wait(5.0):  # the main thread raised it, and is on its way out
-      return
-    line = f'E-DIST-009: {what}; fix what that line says, then start every process again'
-    try:
-      for log in _records:
-        log.event('failed', error=line)
-        log.status(state='failed', error=line)
-    finally:
-      print(f'jaxckpt: {line}', file=sys.stderr, flush=True)
-      os._exit(2)  # pylint: disable=protected-access  # as E-DIST-009 from `together`
-
-  def _stop_all(self, lost: list[int], why: str) -> None:
-    how = why if why == 'it failed' else f'{why} for {self.cluster.heartbeat_secs:g} s'
-    line = (f'E-DIST-006: process(es) {lost} of {self.cluster.count} lost ({how}); this '
-            'process stops too, nothing partial is '
-            'committed; start every process again with the same command to resume from the last '
-            'checkpoint')
-    self.lost.set()
-    try:
-      for log in _records:  # process 0's records say why the run stopped
-        log.event('failed', error=line, lost_process=why != 'it failed')  # silent: an interruption
-        log.status(state='failed', error=line)
-      if self.on_lost is not None:
-        self.on_lost(line)
-    finally:
-      print(f'jaxckpt: {line}', file=sys.stderr, flush=True)
-      os._exit(1)  # pylint: disable=protected-access  # the main thread may be stuck for good
