@@ -34,8 +34,8 @@ from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file, read_state_file
 from .options import CheckpointOptions, CommitInfo
 from .policy import RetentionPolicy, SavePolicy
-from .staging import (DeviceSnapshot, HostStager, Unstaged, available_host_memory, choose_mode,
-                      choose_staging)
+from .staging import (DeviceSnapshot, HostStager, Unstaged, auto_mode, available_host_memory,
+                      choose_mode, choose_staging)  # noqa: F401  # choose_mode: tests
 from .tree import avals, check_fits, named_leaves, tensor_table
 
 
@@ -124,7 +124,22 @@ class CheckpointManager:
     needed = sum(
         int(np.prod(np.shape(x), dtype=np.int64)) * np.dtype(x.dtype).itemsize
         for x in leaves.values())
-    return choose_mode('auto', max(0, needed - self._stager.nbytes()), available_host_memory())
+    return auto_mode(needed, self._stager, available_host_memory())
+
+  def prepare(self, state: Any, *, exclude: Callable[[str], bool] | None = None) -> bool:
+    """Allocate and fault in the host buffer a save of `state` (arrays or `ShapeDtypeStruct`s;
+    `exclude` as `save`'s) stages into, on a background thread, so the first `save` does not
+    pay for it (it waits for that thread). Call it once the shapes are known, before other work
+    (a compile). Returns whether it prepares: not when `auto` would write without a staged copy
+    for lack of host memory, nor across processes. Waits for the save in flight."""
+    self.wait_until_finished()
+    self._stager.wait_prepared()
+    leaves = {n: x for n, x in named_leaves(state).items() if exclude is None or not exclude(n)}
+    if not self._writer or self._group is not None or self._mode(leaves) == 'sync' and \
+        self.options.mode == 'auto':
+      return False
+    self._stager.prepare(leaves)
+    return True
 
   def save(self,
            step: int,
@@ -154,6 +169,7 @@ class CheckpointManager:
       raise CheckpointError('E-CKPT-008', 'this manager was opened read-only', 'open a writer')
     t0 = time.perf_counter()
     self.wait_until_finished()
+    self._stager.wait_prepared()  # a `prepare` still faulting the buffer in
     leaves = named_leaves(state)
     left_out = {}
     if exclude is not None:
@@ -321,8 +337,11 @@ class CheckpointManager:
     atomic.fsync_dir(tmp / layout.STATE_DIR)  # its name is durable too
     record = multihost.part_record(f'{layout.STATE_DIR}/{name}', written[name], crcs, places,
                                    {t: np.shape(x) for t, x in staged.items()})
-    records = self._group.sync(f'{seq}/durable', f'checkpoint step {step}', record)
-    return multihost.merge_records(records, table)
+    # Process 0 alone reads every part record (it writes the manifest); so does each process
+    # when each commits its own part (not `shared`): its manifest covers every file.
+    records = self._group.collect(
+        f'{seq}/durable', f'checkpoint step {step}', record, everyone=not self._group.shared)
+    return multihost.merge_records(records or [record], table)
 
   def _storage(self) -> str:
     return SAFETENSORS if self.options.storage == 'auto' else self.options.storage

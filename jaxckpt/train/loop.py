@@ -213,6 +213,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         remote=remote)
     try:
       state, step = resume_lib.start(session, resume, resume_dir)
+      # The staging buffer is faulted in while the first step compiles, not in the first save.
+      mgr.prepare(
+          trainer.abstract_state(), exclude=session.not_saved if session.file_frozen else None)
       if distributed.leader():  # process 0 writes the records, TensorBoard's too
         tensorboard.mirror(runlog, config, first_step=step)
       if remote is not None:  # the checkpoint it continues from, after any fallback
