@@ -9,6 +9,8 @@ what a store between jaxckpt and its bucket can do to the requests and answers.
 - `hang`: while set, requests are held without an answer (a store that stops answering);
   `hold(key)`: so are those whose path ends with `key` (a store that stops answering for one
   object: a writer cut off from its lease while its other requests go through).
+- `slow_down(method, path)`: when it says True, the request is not forwarded and is answered
+  `503 SlowDown` with `Retry-After: retry_after` (a store asking for fewer requests).
 
 `requests` lists every request forwarded (`Request`: method, path, status, when it began), in the
 order answered.
@@ -43,6 +45,8 @@ class ConditionProxy:
     target = urllib.parse.urlsplit(upstream)
     self.upstream = (target.hostname, target.port)
     self.strip = strip
+    self.slow_down = None  # (method, path) -> bool
+    self.retry_after = 1
     self.hang = threading.Event()
     self.released = threading.Event()  # set by `stop`: held requests end
     self.requests: list[tuple[str, str]] = []
@@ -99,6 +103,20 @@ class ConditionProxy:
     if held or self.hang.is_set():
       self.released.wait(HANG_SECS)
       request.close_connection = True
+      return
+    if self.slow_down is not None and self.slow_down(request.command, request.path):
+      with self._lock:
+        self.requests.append(
+            Request(request.command,
+                    urllib.parse.urlsplit(request.path).path, 503, began))
+      body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code><Message>'
+              b'Please reduce your request rate.</Message></Error>')
+      request.send_response(503, 'Slow Down')
+      for k, v in (('Retry-After', str(self.retry_after)), ('Content-Type', 'application/xml'),
+                   ('Content-Length', str(len(body)))):
+        request.send_header(k, v)
+      request.end_headers()
+      request.wfile.write(body)
       return
     path = request.path
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}

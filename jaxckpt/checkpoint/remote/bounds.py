@@ -92,7 +92,7 @@ def read_prefix(store: Store, key: str, size: int, *, exact: bool = True) -> byt
 
 def start_read(store: Store, key: str, size: int):
   """A future for the first `size` bytes of `key` (`short` errors when it holds fewer)."""
-  return store.kv.read(key, byte_range=slice(0, size))
+  return store.start_read(key, slice(0, size))
 
 
 def short(e: Exception) -> bool:

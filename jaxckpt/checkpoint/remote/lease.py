@@ -14,7 +14,7 @@ deadline passes here. Past it, `writable()` renews once and raises unless that e
 nothing is written or deleted until the lease is renewed. `margin` (`margin_secs`:
 max(ttl/4, min(5 s, ttl/3))) covers the clock skew between the machines, the rate drift of the
 two clocks over one TTL (parts per million) and one small write landing after its check. A
-renewal whose response is lost (tensorstore's retry then meets its own write and gets 412) is
+renewal whose response is lost (the store's retry then meets its own write and gets 412) is
 recognised by the lease's `id`, and its generation adopted: a lost response is not a lost lease.
 
 Staleness is judged with the taker's clock against the holder's `renewed_at`: keep the clock
@@ -36,10 +36,10 @@ import uuid
 from typing import Any, Callable
 
 from ..errors import CheckpointError
-from .store import Store, StoreError
+from .store import PACE_SECS, Store, StoreError, paced
 
-LEASE = 'LEASE'
-MIN_RENEW_SECS = 1.0  # the lease object is written at most this often
+LEASE = paced('LEASE')  # written at most once a second per process (`Lease` may ask less)
+MIN_RENEW_SECS = 1.0  # a renewal not forced is skipped within this of the last
 
 
 def margin_secs(ttl: float) -> float:
@@ -75,6 +75,7 @@ class Lease:
                on_lost: Callable[[dict[str, Any] | None], None] = lambda holder: None):
     self.store, self.ttl = store, float(ttl_secs)
     self.margin = margin_secs(self.ttl)
+    paced(LEASE, min(PACE_SECS, self.margin / 2))  # under 1 s only for TTLs under 4 s (tests)
     self.request_secs = max(self.margin, 2.0)  # the longest a lease request is waited for
     self.me = {
         'id': uuid.uuid4().hex, 'host': socket.gethostname(), 'pid': os.getpid(),

@@ -36,11 +36,11 @@ from ..errors import CheckpointError
 from .bounds import meta_problems, read_manifest, read_prefix, start_read
 from .bounds import short as read_was_short
 from .lease import LeaseError
-from .store import Store, StoreError
+from .store import Store, StoreError, paced
 
 CHECKPOINTS = 'checkpoints'
 RECORDS = 'run'
-REMOTE_META = 'remote.json'
+REMOTE_META = paced('remote.json')  # a commit: written at most once a second per step
 PART_BYTES = 32 << 20
 PARALLEL = 8  # objects in flight: memory held is PARALLEL x PART_BYTES at most
 _ATTEMPT = re.compile(r'^a-[0-9a-f]{8,32}$')

@@ -24,6 +24,11 @@ does not look for application default credentials an emulator does not need. Wha
 logs of the credentials it found (or did not) at a process's first GCS request is held back;
 a store that refuses the credentials is jaxckpt's one line (E-STORE-003).
 
+Retries are `Store`'s own (`Retries`; tensorstore's off). HTTP 503 `SlowDown`, 429: waits of 1 s
+(tensorstore hides `Retry-After`) doubling to 30 s, jittered up, for 120 s or the call's `timeout`,
+then E-STORE-015; a lost connection or other 5xx: 3 retries. A `paced` name (the lease, a commit)
+is written at most once a second per key per process (GCS takes about one a second per object).
+
 Keys are relative to the prefix. Every failure is a `StoreError` whose `kind` says what went
 wrong (a missing bucket, refused credentials, no permission, an endpoint that cannot be reached)
 so callers can name the fix. Conditional writes (`create`, `replace`) carry the store's
@@ -32,23 +37,56 @@ generation of an object: S3 `If-None-Match`/`If-Match`, GCS `ifGenerationMatch`,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
 import re
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 from ..errors import CheckpointError
 
 SCHEMES = ('s3', 'gs', 'file')
 _URL = re.compile(r'^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://(?P<rest>.*)$')
-_RETRIES = {'max_retries': 3, 'initial_delay': '0.2s', 'max_delay': '2s'}
+_TS_RETRIES = {'max_retries': 0}  # tensorstore's: every retry is `Store`'s own (`Retries`)
 _ABSENT = b'\x02'  # tensorstore's generation of a key that holds no value
 _AUTH_LOG = 'google_auth_provider.cc'  # where tensorstore says how it found GCS credentials
 _auth_said = threading.Lock()  # taken for good by the first GCS store of the process
+PACE_SECS = 1.0  # the shortest time between two writes of one paced key from this process
+_paced: dict[str, float] = {}  # names (a key's last part): the shortest time between writes
+_last_write: dict[tuple[str, str], float] = {}  # (store URL, key): when its last write ended
+
+
+class Retries(NamedTuple):
+  """How `Store` retries a request (see the module doc); every wait is jittered upwards."""
+  slow_first: float = 1.0  # the first wait after a 503 or 429
+  slow_max: float = 30.0  # the longest one
+  slow_secs: float = 120.0  # how long one request is retried while the store asks to slow down
+  transient: int = 3  # retries of a lost connection or another 5xx: 0.2 s doubling to 2 s
+
+
+def paced(name: str, secs: float = PACE_SECS) -> str:
+  """Marks `name` (a key's last part) as written at most once per `secs` per key."""
+  _paced[name] = secs
+  return name
+
+
+@contextlib.contextmanager
+def _pacing(url: str, key: str | None):
+  """A write of `key`: if its name is paced, not sent until its pace after the last one ended."""
+  secs = 0.0 if key is None else _paced.get(key.rsplit('/', 1)[-1], 0.0)
+  if secs > 0:  # one thread writes a paced key at a time (the lease's, the uploader's)
+    time.sleep(max(0.0, _last_write.get((url, key), -secs) + secs - time.monotonic()))
+  try:
+    yield
+  finally:
+    if secs > 0:
+      _last_write[(url, key)] = time.monotonic()  # from its end: when the store had it
 
 
 class StoreError(CheckpointError):
@@ -57,6 +95,10 @@ class StoreError(CheckpointError):
   def __init__(self, code: str, what: str, fix: str = '', kind: str = 'failed'):
     super().__init__(code, what, fix)
     self.kind = kind
+
+
+class StoreTimeout(StoreError, TimeoutError):
+  """No answer within the call's `timeout`: a TimeoutError too, as a future's `result` raises."""
 
 
 def parse_url(url: str) -> tuple[str, str, str]:
@@ -132,8 +174,11 @@ def _flag(value: str | None, default: bool) -> bool:
 def classify(message: str) -> str:
   """The `StoreError.kind` of a tensorstore error message: 'bad_url' (a bucket name the store
   cannot have), 'missing_bucket', 'unreachable', 'credentials' (a key or token the store does not
-  know), 'denied' (known credentials without the permission), or 'failed'."""
+  know), 'denied' (known credentials without the permission), 'slow_down' (HTTP 503 or 429: the
+  store asks for fewer requests), or 'failed'."""
   m = message.lower()
+  if any(s in m for s in ("code='503'", "code='429'", 'slowdown', 'too many requests')):
+    return 'slow_down'
   if 'invalidbucketname' in m or 'invalid' in m and 'bucket name' in m:
     return 'bad_url'
   if any(
@@ -189,10 +234,11 @@ def _key_range(prefix: str):
 class Store:
   """One remote location (`url`); keys are paths under it. Thread-safe: tensorstore is."""
 
-  def __init__(self, url: str, *, retries: Mapping[str, Any] | None = None):
+  def __init__(self, url: str, *, retries: Retries = Retries()):
     self.url = url.rstrip('/') if '://' in url else url
     self.scheme, self.bucket, self.prefix = parse_url(url)
-    self._spec = _spec(self.scheme, self.bucket, self.prefix, retries or _RETRIES)
+    self.retries = retries
+    self._spec = _spec(self.scheme, self.bucket, self.prefix, _TS_RETRIES)
     self._kv = None
 
   def __repr__(self) -> str:
@@ -207,8 +253,8 @@ class Store:
         if not path.parent.is_dir():  # a disk not mounted: never a directory on the boot disk
           raise StoreError('E-STORE-002', f'{path.parent} does not exist',
                            'mount the disk it is on, or create that directory', 'missing_parent')
-        self._call('open', None, lambda: path.mkdir(exist_ok=True))
-      kv = self._call('open', None, lambda: ts.KvStore.open(self._spec).result())
+        self._call('open', None, lambda left: path.mkdir(exist_ok=True))
+      kv = self._call('open', None, lambda left: ts.KvStore.open(self._spec).result())
       if self.scheme == 'gs' and _auth_said.acquire(blocking=False):
         _without_auth_lines(lambda: kv.read('.jaxckpt-probe-auth').result(timeout=10))
       self._kv = kv
@@ -218,24 +264,46 @@ class Store:
     """The URL of a key, for messages."""
     return '/'.join([self.url, *parts])
 
-  def _call(self, op: str, key: str | None, fn):
-    try:
-      return fn()
-    except (ValueError, RuntimeError, OSError) as e:
-      message = str(e) or ('timed out' if isinstance(e, TimeoutError) else repr(e))
-      where = self.join(key) if key else self.url
-      raise StoreError('E-STORE-010', f'{op} {where} failed: {message.splitlines()[0][:300]}',
-                       'check the store and the network; the operation is retried',
-                       classify(message)) from e
+  def _call(self, op: str, key: str | None, fn: Callable, *, timeout: float | None = None):
+    """`fn(seconds left of timeout, or None)` (a request), retried as `self.retries` says."""
+    r, t0 = self.retries, time.monotonic()
+    end, tries, slow, transient = None if timeout is None else t0 + timeout, 0, 0, 0
+    while True:
+      tries += 1
+      try:
+        with _pacing(self.url, key if op in ('write', 'delete') else None):
+          return fn(None if end is None else max(0.0, end - time.monotonic()))
+      except (ValueError, RuntimeError, OSError) as e:
+        message = str(e) or ('timed out' if isinstance(e, TimeoutError) else repr(e))
+        kind, where, until, wait = classify(message), self.join(key) if key else self.url, end, None
+        if kind == 'slow_down':
+          wait, slow = min(r.slow_max, r.slow_first * 2**slow), slow + 1
+          until = t0 + r.slow_secs if end is None else min(end, t0 + r.slow_secs)
+        elif transient < r.transient and 'retry attempts failed' in message:  # tensorstore's
+          wait, transient = min(2.0, 0.2 * 2**transient), transient + 1
+        wait = wait and wait * random.uniform(1.0, 1.5)  # never under the wait asked for
+        if wait is None or until is not None and time.monotonic() + wait > until:
+          if kind == 'slow_down':
+            status = (re.findall(r"http_response_code='(\d+)'", message) or ['503'])[0]
+            raise StoreError(
+                'E-STORE-015', f'{op} {where}: the store answered HTTP {status} '
+                f'(slow down) to {tries} tries over {time.monotonic() - t0:.1f} s',
+                'send fewer requests: fewer processes or parts in flight', kind) from e
+          raise (StoreTimeout if isinstance(e, TimeoutError) else StoreError)(
+              'E-STORE-010', f'{op} {where} failed: {message.splitlines()[0][:300]}',
+              'check the store and the network; the operation is retried', kind) from e
+        logging.debug('%s %s: %s; retried in %.1f s', op, where, kind, wait)
+        time.sleep(wait)
 
   # Plain operations.
   def read(self, key: str) -> bytes | None:
     """The object's bytes, or None when there is none."""
-    r = self._call('read', key, lambda: self.kv.read(key).result())
+    r = self._call('read', key, lambda left: self.kv.read(key).result())
     return r.value if r.state == 'value' else None
 
   def read_range(self, key: str, start: int, stop: int) -> bytes:
-    r = self._call('read', key, lambda: self.kv.read(key, byte_range=slice(start, stop)).result())
+    r = self._call('read', key,
+                   lambda left: self.kv.read(key, byte_range=slice(start, stop)).result())
     if r.state != 'value':
       raise StoreError('E-STORE-011', f'{self.join(key)} is missing', 'the object was removed')
     return r.value
@@ -248,7 +316,7 @@ class Store:
     store reported with them). A range not inside the object is StoreError E-STORE-012, kind
     'out_of_range'; a missing object E-STORE-011."""
 
-    def read():
+    def read(left):
       try:
         return self.kv.read(key, byte_range=slice(start, stop)).result()
       except ValueError as e:
@@ -273,35 +341,34 @@ class Store:
     return body.decode(errors='replace') if body.strip(b'\x00') else None
 
   def write(self, key: str, data: bytes) -> None:
-    self._call('write', key, lambda: self.kv.write(key, bytes(data)).result())
+    self._call('write', key, lambda left: self.kv.write(key, bytes(data)).result())
 
   def write_many(self, items: Mapping[str, bytes]) -> None:
     """Writes every object at once; returns when all are durable (raises on the first error)."""
-    futures = {k: self.kv.write(k, bytes(v)) for k, v in items.items()}
-    for key, future in futures.items():
-      self._call('write', key, future.result)
+    for request in [self.start_write(k, bytes(v)) for k, v in items.items()]:
+      request.result()
 
-  def start_write(self, key: str, data: bytes):
-    """A tensorstore future for a write; `finish(key, future)` waits for it."""
-    return self.kv.write(key, data)
+  def start_write(self, key: str, data: bytes | None, op: str = 'write') -> 'Request':
+    """A write in flight (None: a delete); `finish(op, key, request)` waits for it."""
+    return Request(self, op, key, lambda: self.kv.write(key, data))
 
-  def start_read(self, key: str):
-    return self.kv.read(key)
+  def start_read(self, key: str, byte_range: slice | None = None) -> 'Request':
+    return Request(self, 'read', key, lambda: self.kv.read(key, byte_range=byte_range))
 
-  def finish(self, op: str, key: str, future) -> Any:
-    return self._call(op, key, future.result)
+  def finish(self, op: str, key: str, request: 'Request') -> Any:
+    return request.result()
 
   def delete(self, key: str) -> None:
-    self._call('delete', key, lambda: self.kv.write(key, None).result())
+    self._call('delete', key, lambda left: self.kv.write(key, None).result())
 
   def delete_many(self, keys: Iterable[str]) -> None:
-    futures = {k: self.kv.write(k, None) for k in keys}
-    for key, future in futures.items():
-      self._call('delete', key, future.result)
+    for request in [self.start_write(k, None, 'delete') for k in keys]:
+      request.result()
 
   def list(self, prefix: str = '') -> list[str]:
     """Every key that starts with `prefix`, sorted."""
-    keys = self._call('list', prefix or None, lambda: self.kv.list(_key_range(prefix)).result())
+    keys = self._call('list', prefix or None,
+                      lambda left: self.kv.list(_key_range(prefix)).result())
     # Filtered here too: some servers (the GCS emulator) answer with more than the range asked.
     return sorted(k for k in (k.decode() for k in keys) if k.startswith(prefix))
 
@@ -312,7 +379,8 @@ class Store:
                       timeout: float | None = None) -> tuple[bytes | None, bytes]:
     """(bytes or None, generation); the generation of an absent object makes `replace` a create.
     `timeout`: seconds to wait for the answer (StoreError past it; the request may still land)."""
-    r = self._call('read', key, lambda: self.kv.read(key).result(timeout=timeout))
+    r = self._call(
+        'read', key, lambda left: self.kv.read(key).result(timeout=left), timeout=timeout)
     return (r.value if r.state == 'value' else None), r.stamp.generation
 
   def replace(self,
@@ -330,7 +398,10 @@ class Store:
                       key)
       generation = None
     stamp = self._call(
-        'write', key, lambda: self.kv.write(key, data, if_equal=generation).result(timeout=timeout))
+        'write',
+        key,
+        lambda left: self.kv.write(key, data, if_equal=generation).result(timeout=left),
+        timeout=timeout)
     return stamp.generation or None  # an empty generation: the condition did not hold
 
   def create(self, key: str, data: bytes) -> bytes | None:
@@ -359,3 +430,20 @@ class Store:
       return None
     finally:
       self.delete(key)
+
+
+class Request:
+  """A request in flight; `result(timeout)` waits for it, resending as `Store.retries` says."""
+
+  def __init__(self, store: Store, op: str, key: str, send: Callable[[], Any]):
+    self._store, self._op, self._key, self._send = store, op, key, send
+    # A paced key's write is sent by `result`, after its pause (`_call`).
+    self._future = None if op != 'read' and key.rsplit('/', 1)[-1] in _paced else send()
+
+  def result(self, timeout: float | None = None) -> Any:
+
+    def attempt(left):
+      future, self._future = self._future or self._send(), None
+      return future.result(timeout=left)
+
+    return self._store._call(self._op, self._key, attempt, timeout=timeout)
