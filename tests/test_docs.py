@@ -187,6 +187,15 @@ def test_every_docs_page_is_in_the_nav():
   assert not missing, f'mkdocs.yml nav names pages that do not exist: {missing}'
 
 
+def test_the_errors_page_lists_every_code_the_package_raises():
+  """docs/errors.md has one row per E- code in jaxckpt/, and no row for a code that is gone."""
+  code = re.compile(r'E-[A-Z]+-\d{3}')
+  raised = {c for f in (REPO / 'jaxckpt').rglob('*.py') for c in code.findall(f.read_text())}
+  listed = set(re.findall(r'^\| (E-[A-Z]+-\d{3}) \|', (DOCS / 'errors.md').read_text(), re.M))
+  assert not raised - listed, f'codes missing from docs/errors.md: {sorted(raised - listed)}'
+  assert not listed - raised, f'docs/errors.md lists codes nothing raises: {sorted(listed - raised)}'
+
+
 # ---------------------------------------------------------------------- the site builds
 def test_site_builds_with_warnings_as_errors(tmp_path):
   mkdocs = Path(sys.executable).parent / 'mkdocs'
