@@ -63,31 +63,24 @@ class _Counted:
     return self._inner.key_value_set(key, value, *args, **kwargs)
 
   def blocking_key_value_get(self, key, *args, **kwargs):
-    try:
-      value = self._inner.blocking_key_value_get(key, *args, **kwargs)
-    except Exception:
-      self._count(len(key), 0)
-      raise
-    self._count(len(key), len(value))
-    return value
+    return self._get(self._inner.blocking_key_value_get, len, key, *args, **kwargs)
 
   def key_value_try_get(self, key, *args, **kwargs):
-    try:
-      value = self._inner.key_value_try_get(key, *args, **kwargs)
-    except Exception:
-      self._count(len(key), 0)
-      raise
-    self._count(len(key), len(value))
-    return value
+    return self._get(self._inner.key_value_try_get, len, key, *args, **kwargs)
 
   def key_value_dir_get(self, key, *args, **kwargs):
+    return self._get(self._inner.key_value_dir_get,
+                     lambda found: sum(len(k) + len(v) for k, v in found), key, *args, **kwargs)
+
+  def _get(self, method, size_of, key, *args, **kwargs):
+    """A read through `method`, counted: the key sent, and what came back (nothing on a miss)."""
     try:
-      found = self._inner.key_value_dir_get(key, *args, **kwargs)
+      value = method(key, *args, **kwargs)
     except Exception:
       self._count(len(key), 0)
       raise
-    self._count(len(key), sum(len(k) + len(v) for k, v in found))
-    return found
+    self._count(len(key), size_of(value))
+    return value
 
   def wait_at_barrier(self, name, *args, **kwargs):
     self._count(len(name), 0)
