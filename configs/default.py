@@ -91,6 +91,8 @@ def get_config() -> ml_collections.ConfigDict:
   # path on a mounted disk. Each local commit is uploaded in the background (manifest last); a
   # fresh machine with an empty workdir resumes from there ('': off).
   config.checkpoint.remote = ''
+  # Each host's own disk (--remote set): also keep this many other processes' parts (the peer tier)
+  config.checkpoint.replicas = 0
   config.checkpoint.remote_lease_secs = 60.0  # a writer's lease not renewed this long is taken over
   config.checkpoint.remote_lease = 'on'  # on | off: one writer per prefix (off: not enforced)
   config.checkpoint.stop_grace_secs = 25.0  # after a stop signal: time to make the last one durable

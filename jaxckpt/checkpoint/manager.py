@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from . import atomic, layout, manifest, multihost, orbaxstore, retention, statefile
+from . import atomic, layout, manifest, multihost, orbaxstore, replicas, retention, statefile
 from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file, read_state_file
 from .options import CheckpointOptions, CommitInfo
@@ -87,7 +87,8 @@ class CheckpointManager:
       if self._group is None:
         tidy()
       else:  # nobody writes before the debris is gone
-        self._group.open(self.directory, tidy)
+        replicas.check(self.options.replicas, self._group.count,
+                       self._group.open(self.directory, tidy))
       steps = list(layout.committed_steps(self.directory))
       self._last_save_step = steps[-1] if steps else -1
 
@@ -183,11 +184,13 @@ class CheckpointManager:
     metadata = json.loads(_json_bytes(dict(metadata or {})))
     # Across processes each one stages and writes only the shards it owns (`multihost`).
     group, parts, places = self._group, leaves, {}
+    copies = []  # the parts of other processes this one keeps (`replicas`)
     if group is not None and self._storage() == SAFETENSORS:
       parts, places = multihost.owned_parts(leaves)
+      copies = replicas.dispatch(leaves, self.options.replicas) if self.options.replicas else []
     # The tensor tables are formatted by the writer: the caller only waits for the host copy (the
     # arrays themselves may be donated to the next train step by then).
-    shapes = (avals(leaves), avals(left_out), places, self._saves)
+    shapes = (avals(leaves), avals(left_out), places, self._saves, copies)
     self._saves += 1
     self.mode_used = mode = self._mode(parts)
     self.staging_used = 'host'
@@ -250,7 +253,7 @@ class CheckpointManager:
   def _write(self, step, staged, shapes, run_state_json, metadata, t0, blocked) -> None:
     group = self._group
     tmp = (group or layout).temporary_dir(self.directory, step)  # all processes: one name
-    saved, left_out, places, seq = shapes
+    saved, left_out, places, seq, copies = shapes
     try:
       staging = 'device' if isinstance(staged, DeviceSnapshot) else 'host'
       if staging == 'device':
@@ -263,7 +266,7 @@ class CheckpointManager:
       known = {}
       if storage == SAFETENSORS:  # one file, straight from the staging region
         region = None if isinstance(staged, Unstaged) else self._stager.region
-        known, table = self._write_state(tmp, step, seq, staged, region, table, places)
+        known, table = self._write_state(tmp, step, seq, staged, region, table, places, copies)
       else:
         orbaxstore.save(tmp / layout.STATE_DIR, staged)
       # Why this checkpoint is kept is its own: a later run's other flags never delete it.
@@ -276,14 +279,16 @@ class CheckpointManager:
       final = self.step_dir(step)
       if group is not None and not group.leader:  # process 0 commits; its word ends the save
         files, word = known, group.await_word(f'{seq}/commit', f'checkpoint step {step}')
-        if word != 'ok':
+        if word.split(' ')[0] != 'ok':
           raise CheckpointError('E-DIST-003', f'process 0 did not commit: {word}')
-        if not group.shared:  # this host's part, under the manifest process 0 committed
-          files = manifest.commit(tmp, final, step, known, table, metadata, run_state_json)
+        if not group.shared:  # this host's part, under process 0's manifest (the same bytes)
+          files = manifest.commit(tmp, final, step, known, table, metadata, run_state_json,
+                                  float(word.split(' ')[1]))
       else:
-        files = manifest.commit(tmp, final, step, known, table, metadata, run_state_json)
+        now = time.time()
+        files = manifest.commit(tmp, final, step, known, table, metadata, run_state_json, now)
         if group is not None:
-          group.announce(f'{seq}/commit', 'ok')
+          group.announce(f'{seq}/commit', f'ok {now!r}')
           group.forget(str(seq - 1))  # every process has read the previous save's keys
       committed = time.perf_counter()
     except BaseException as e:
@@ -321,7 +326,7 @@ class CheckpointManager:
           f'failed: {type(e).__name__}: {e}',
           f'checkpoint step {step} is committed and intact') from e
 
-  def _write_state(self, tmp, step, seq, staged, region, table, places):
+  def _write_state(self, tmp, step, seq, staged, region, table, places, copies=()):
     """Write this process's state file: ({file: {size, crc32}}, the tensor table with CRCs).
     Across processes, every process's files and shards, once all of them are durable."""
     name = statefile.file_name(0 if self._group is None else self._group.index)
@@ -334,14 +339,17 @@ class CheckpointManager:
     if self._group is None:
       return {f'{layout.STATE_DIR}/{name}': written[name]}, \
           [{**row, 'crc32': crcs[row['name']]} for row in table]
-    atomic.fsync_dir(tmp / layout.STATE_DIR)  # its name is durable too
+    held = replicas.write(tmp / layout.STATE_DIR, copies)  # before the barrier: in the commit
+    atomic.fsync_dir(tmp / layout.STATE_DIR)  # their names are durable too
     record = multihost.part_record(f'{layout.STATE_DIR}/{name}', written[name], crcs, places,
                                    {t: np.shape(x) for t, x in staged.items()})
     # Process 0 alone reads every part record (it writes the manifest); so does each process
     # when each commits its own part (not `shared`): its manifest covers every file.
     records = self._group.collect(
         f'{seq}/durable', f'checkpoint step {step}', record, everyone=not self._group.shared)
-    return multihost.merge_records(records or [record], table)
+    files, table = multihost.merge_records(records or [record], table)
+    replicas.keep_matching(tmp, held, files)
+    return files, table
 
   def _storage(self) -> str:
     return SAFETENSORS if self.options.storage == 'auto' else self.options.storage
@@ -395,20 +403,22 @@ class CheckpointManager:
     sharded = meta.get('storage') == SAFETENSORS and (jax.process_count() > 1
                                                       or 'state_files' in meta)
     checksums = verify and self.options.verify_checksums
+    want = named_leaves(target)
     if verify:
       # The state file's CRC is checked while it is read below (tensor by tensor when `only`
       # picks a subset, shard by shard across processes): one pass over the data, not two.
+      # Across processes, a file holding none of this process's shards may be on another disk.
       _, problems = manifest.audit(
           step_dir,
           meta,
           checksums=checksums,
-          skip_checksum=multihost.state_files(meta) or ([single] if single else []))
+          skip_checksum=multihost.state_files(meta) or ([single] if single else []),
+          absent_ok=multihost.unread(meta, want) if jax.process_count() > 1 else ())
       if problems:
         raise CheckpointError(
             'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +
             (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
             'resume from an earlier checkpoint')
-    want = named_leaves(target)
     saved = {t['name']: t for t in meta['tensors'] if only is None or only(t['name'])}
     check_fits(step_dir, saved, want)
     if sharded:

@@ -67,14 +67,17 @@ def file_table(directory: Path,
 def build(step: int,
           files: Mapping[str, Any],
           tensors: Iterable[Mapping[str, Any]],
-          metadata: Mapping[str, Any] | None = None) -> dict[str, Any]:
+          metadata: Mapping[str, Any] | None = None,
+          committed_at: float | None = None) -> dict[str, Any]:
+  """The manifest of checkpoint `step`; the same bytes on every process that commits it with
+  the same `committed_at` (files in name order)."""
   return {
       'format': FORMAT,
       'format_version': FORMAT_VERSION,
       'step': step,
-      'committed_at': time.time(),
+      'committed_at': time.time() if committed_at is None else committed_at,
       'tensors': list(tensors),
-      'files': dict(files),
+      'files': dict(sorted(files.items())),
       **(dict(metadata) if metadata else {}),
   }
 
@@ -113,10 +116,12 @@ def file_problems(step_dir: Path,
                   manifest: Mapping[str, Any] | None = None,
                   *,
                   checksums: bool = True,
-                  skip_checksum: Iterable[str] = ()) -> list[str]:
+                  skip_checksum: Iterable[str] = (),
+                  absent_ok: Iterable[str] = ()) -> list[str]:
   """Problems found comparing the files under `step_dir` with its manifest ([] when intact).
 
-  Files in `skip_checksum` get their size checked only (their reader checks the CRC itself).
+  Files in `skip_checksum` get their size checked only (their reader checks the CRC itself);
+  those in `absent_ok` may be missing (other processes' parts, on their own disks).
   """
   manifest = read(step_dir) if manifest is None else manifest
   problems, skip = [], set(skip_checksum)
@@ -125,7 +130,8 @@ def file_problems(step_dir: Path,
     try:
       size = path.stat().st_size
     except OSError:
-      problems.append(f'{rel}: missing')
+      if rel not in absent_ok:
+        problems.append(f'{rel}: missing')
       continue
     if size != want['size']:
       problems.append(f'{rel}: size {size}, manifest says {want["size"]}')
@@ -191,8 +197,13 @@ def commit_label(path: Path) -> str:
     raw = (path / layout.MANIFEST).read_bytes()
   except OSError:
     return path.name
+  return f'{path.name} ({SEAL} {seal_of(raw)})'
+
+
+def seal_of(raw: bytes) -> str:
+  """The seal of manifest bytes `raw` (the CRC-32 of the bytes, for one from before seals)."""
   found = list(_SEAL_RE.finditer(raw))
-  return f'{path.name} ({SEAL} {found[-1].group(1).decode() if found else f"{crc32(raw):08x}"})'
+  return found[-1].group(1).decode() if found else f'{crc32(raw):08x}'
 
 
 def audit(
@@ -200,7 +211,8 @@ def audit(
     manifest: Mapping[str, Any] | None = None,
     *,
     checksums: bool = True,
-    skip_checksum: Iterable[str] = ()
+    skip_checksum: Iterable[str] = (),
+    absent_ok: Iterable[str] = ()
 ) -> tuple[dict[str, Any] | None, list[str]]:
   """(manifest or None, problems) of a checkpoint: its manifest readable and matching its seal,
   and every file matching the manifest (`file_problems`). Never raises for damage: it reports it.
@@ -218,7 +230,8 @@ def audit(
     return None, [e.what]
   problems = [p for p in (check_seal(raw, m),) if p]
   try:
-    problems += file_problems(step_dir, m, checksums=checksums, skip_checksum=skip_checksum)
+    problems += file_problems(
+        step_dir, m, checksums=checksums, skip_checksum=skip_checksum, absent_ok=set(absent_ok))
   except CheckpointError as e:
     problems.append(e.what)
   except (KeyError, TypeError, AttributeError) as e:
@@ -228,7 +241,8 @@ def audit(
 
 def commit(tmp: Path, final: Path, step: int, known: Mapping[str, Mapping[str, Any]],
            tensors: list[dict[str, Any]], metadata: Mapping[str, Any],
-           run_state: bytes) -> dict[str, dict[str, Any]]:
+           run_state: bytes,
+           committed_at: float | None = None) -> dict[str, dict[str, Any]]:
   """Seal the written directory `tmp` (with `run_state` and a manifest covering every file) as
   checkpoint `step` at `final`, the manifest written last; returns the manifest's file table.
 
@@ -238,7 +252,7 @@ def commit(tmp: Path, final: Path, step: int, known: Mapping[str, Mapping[str, A
   """
   atomic.write_file_durably(tmp / layout.RUN_STATE, run_state)
   files = file_table(tmp, known=known)
-  sealed = sealed_json(build(step, files, tensors, metadata))
+  sealed = sealed_json(build(step, files, tensors, metadata, committed_at))
   if final.exists():
     atomic.write_file_durably(tmp / layout.MANIFEST, sealed)
     atomic.publish_dir(tmp, final)

@@ -228,17 +228,21 @@ def _owners(key, count: int) -> dict[tuple[int, Box], int]:
   return owners
 
 
-def owned_parts(leaves: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict]]:
-  """(parts, places): the shards this process writes, as {tensor name: single-device array or
-  host array}, and {tensor name: {'array', 'start', 'global_shape'}}."""
+def owned_parts(leaves: Mapping[str, Any],
+                *,
+                of: int | None = None,
+                moved: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, dict]]:
+  """(parts, places): the shards this process writes (process `of`'s, taken from the same
+  arrays moved onto this process's devices, `moved`: a replica), as {tensor name: single-device
+  array or host array}, and {tensor name: {'array', 'start', 'global_shape'}}."""
   key = tuple((n, tuple(np.shape(x)), np.dtype(x.dtype).itemsize,
                x.sharding if isinstance(x, jax.Array) else None) for n, x in leaves.items())
-  me = jax.process_index()
+  me = jax.process_index() if of is None else of
   parts, places = {}, {}
   for (i, box), owner in _owners(key, jax.process_count()).items():
     if owner != me:
       continue
-    name, x = key[i][0], leaves[key[i][0]]
+    name, x = key[i][0], (moved or leaves)[key[i][0]]
     shape = tuple(np.shape(x))
     if isinstance(x, jax.Array):
       data = next(s.data for s in x.addressable_shards if _box(s.index, shape) == box)
@@ -292,6 +296,26 @@ def shard_table(meta: Mapping[str, Any], single: str | None) -> dict[str, list[d
 
 def state_files(meta: Mapping[str, Any]) -> list[str]:
   return list(meta.get('state_files') or [])
+
+
+def needed_files(meta: Mapping[str, Any], want: Mapping[str, Any], count: int) -> list[set[str]]:
+  """For each of `count` processes, the state files holding shards its devices hold of `want`
+  ({name: target with shape and sharding}; names the checkpoint does not hold are left out)."""
+  shards = shard_table(meta, None)
+  out = [set() for _ in range(count)]
+  for name, x in want.items():
+    shape = tuple(x.shape)
+    for device, index in (x.sharding.devices_indices_map(shape).items() if name in shards else ()):
+      box = _box(index, shape)
+      for s in shards[name]:
+        if all(max(a, s0) < min(b, s0 + n) for (a, b), s0, n in zip(box, s['start'], s['shape'])):
+          out[device.process_index].add(s['file'])
+  return out
+
+
+def unread(meta: Mapping[str, Any], want: Mapping[str, Any]) -> set[str]:
+  """The state files a restore of `want` on this process reads nothing from."""
+  return set(state_files(meta)) - needed_files(meta, want, jax.process_count())[jax.process_index()]
 
 
 class _Files:

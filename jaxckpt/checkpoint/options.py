@@ -47,6 +47,9 @@ class CheckpointOptions:
   # Across processes (jax.distributed): how long a save waits for every process to make its part
   # durable, and for process 0's commit, before it fails naming the ones missing.
   barrier_timeout_secs: float = 600.0
+  # Each host's own disk (across processes): also keep the parts of this many other processes
+  # (`replicas`), so a host lost with its disk is restored from its peers (`peers`).
+  replicas: int = 0
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -59,7 +62,7 @@ class CheckpointOptions:
     if self.staging not in STAGINGS:
       raise ArgumentError('E-CONFIG-004', f'checkpoint staging {self.staging!r} is not one of '
                           f'{STAGINGS}', 'use auto, host or device')
-    for field in ('every_steps', 'every_secs', 'keep', 'keep_every', 'keep_best'):
+    for field in ('every_steps', 'every_secs', 'keep', 'keep_every', 'keep_best', 'replicas'):
       if getattr(self, field) < 0:
         raise ArgumentError('E-CONFIG-004', f'checkpoint {field}={getattr(self, field)} is '
                             'negative', 'use 0 to turn it off')

@@ -42,6 +42,7 @@ FLAG_FIELDS = {
     'remote_lease': 'checkpoint.remote_lease',
     'stop_grace_secs': 'checkpoint.stop_grace_secs',
     'keep': 'checkpoint.keep',
+    'replicas': 'checkpoint.replicas',
     'keep_every': 'checkpoint.keep_every',
     'keep_best': 'checkpoint.keep_best',
     'guard_finite': 'train.guard_finite',
@@ -123,6 +124,11 @@ def define_trainer_flags() -> None:
           'After a stop signal, seconds the upload of the last checkpoint may take before the '
           'process exits (clouds give about 30).', 'stop_grace_secs'))
   flags.DEFINE_integer('keep', None, _field('Newest checkpoints to keep (0: all).', 'keep'))
+  flags.DEFINE_integer(
+      'replicas', None,
+      _field(
+          "Each host's own disk, with --remote: each process also keeps the parts of this many "
+          'other hosts, so a lost host is restored from its peers (0: off).', 'replicas'))
   flags.DEFINE_integer(
       'keep_every', None,
       _field('Keep every checkpoint whose step is divisible by this (0: off).', 'keep_every'))

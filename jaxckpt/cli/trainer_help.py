@@ -30,7 +30,7 @@ _GROUPS = {
     'Exports during training':
         ('export_every', 'export_formats', 'export_keep', 'export_optimizer'),
     'Many hosts': ('coordinator_address', 'num_processes', 'process_id', 'heartbeat_timeout_secs',
-                   'barrier_timeout_secs', 'init_timeout_secs', 'step_timeout_secs'),
+                   'barrier_timeout_secs', 'init_timeout_secs', 'step_timeout_secs', 'replicas'),
 }
 # Flags whose default is neither a value nor a config field.
 _DEFAULTS = {

@@ -182,6 +182,7 @@ class RemoteRun:
     self.uploader: Uploader | None = None
     self.start_step: int | None = None  # the newest intact remote step when the run started
     self.fetched: dict[str, Any] | None = None
+    self.restored: dict[str, Any] | None = None  # what the peer tier supplied (`peer_start`)
     self._records: dict[int, dict[str, Any]] = {}
     self._runlog: RunLog | None = None
     self._last_local: int | None = None  # this run's newest local checkpoint

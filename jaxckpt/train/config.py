@@ -100,11 +100,13 @@ def checkpoint_options(config):
         keep_every=c.keep_every,
         keep_best=c.get('keep_best', 0),
         storage=c.storage,
-        staging=c.get('staging', 'auto'))
+        staging=c.get('staging', 'auto'),
+        replicas=c.get('replicas', 0))
   except ArgumentError as e:
     raise ConfigError(
         e.code, e.what, 'set --checkpoint_every, --checkpoint_secs, --checkpoint_mode, '
-        '--checkpoint_staging, --keep, --keep_every, --keep_best or --config.checkpoint.*'
+        '--checkpoint_staging, --keep, --keep_every, --keep_best, --replicas or '
+        '--config.checkpoint.*'
     ) from None
 
 

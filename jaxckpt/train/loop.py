@@ -31,7 +31,7 @@ from jaxckpt.checkpoint import CheckpointError, CheckpointManager, CommitInfo, s
 from jaxckpt.checkpoint.manifest import commit_label
 from jaxckpt.errors import UsageError
 from jaxckpt.export import during_training
-from jaxckpt.hosts import agreement, distributed, stepwatch
+from jaxckpt.hosts import agreement, distributed, peer_start, stepwatch
 from jaxckpt.hosts.remote import RemoteRun
 from jaxckpt.model import data as data_lib
 from jaxckpt.records import identity, phases, tensorboard
@@ -41,7 +41,7 @@ from jaxckpt.records.workdir import checkpoints_dir, exports_dir
 from jaxckpt.train import init_from as init_from_lib
 from jaxckpt.train import resume as resume_lib
 from jaxckpt.train.config import cadence_options, checkpoint_options, validate_config
-from jaxckpt.train.save_cadence import SaveCadence
+from jaxckpt.train.save_cadence import SaveCadence, tree_nbytes
 from jaxckpt.train.session import Session
 from jaxckpt.train.state import (Trainer, TrainState, build_trainer, check_finite, evaluate,
                                  generate_samples, make_schedule)
@@ -139,21 +139,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           'E-DIST-007', f"--resume={resume} on a workdir that is each host's own disk (each "
           'holds only its part of a checkpoint)', 'use --resume=latest: the run resumes from '
           'the newest checkpoint of --remote')
+    replicas = config.checkpoint.get('replicas', 0)
+    trainer = build_trainer(config) if replicas else None  # the peer tier needs its shardings
+    if replicas:
+      peer_start.check(
+          replicas, remote=remote, shared=shared, count=distributed.current().count,
+          workdir=workdir, part_bytes=tree_nbytes(trainer.abstract_state()) // distributed.current().count,
+          keep=config.checkpoint.keep)
     # A newer remote checkpoint (and its records) comes down; the others wait for process 0's.
     distributed.together(
         'remote_synced', lambda: remote and remote.sync_down(
             ckpt_dir,
             resume=resume,
-            fetch=resume == 'latest' and (distributed.leader() or not shared)))
+            fetch=resume == 'latest' and (distributed.leader() or not shared) and not replicas))
     if shared or resume != 'latest':
       resume_dir = distributed.together('resume_point',
                                         lambda: resume_lib.find_resume_point(resume, ckpt_dir))
+    elif replicas:  # the newest checkpoint the hosts hold between them, the remote for the rest
+      resume_dir = peer_start.resume_point(remote, ckpt_dir, trainer.abstract_state(),
+                                           distributed.current().timeout_secs)
     else:  # each host's own disk holds its parts alone: the remote's newest is the whole one
       resume_dir = remote.resume_point(ckpt_dir)
     # By seal, not name: hosts can hold different commits of one step (another history's).
     distributed.agree('resume', str(resume_dir and commit_label(resume_dir)),
                       'the checkpoint to resume from')
-    trainer = build_trainer(config)
+    trainer = trainer or build_trainer(config)
     logging.info('%s', _describe_start(trainer, resume_dir))
     pin = init_from_lib.pin(
         config.train.get('init_from', ''), config.model, fresh=resume_dir is None)

@@ -23,7 +23,7 @@ from ..atomic import TMP_MARK
 from ..checksum import crc32_combine
 from ..errors import CheckpointError
 from .bounds import MAX_PART_BYTES, MIN_PART_BYTES
-from .objects import PARALLEL, PART_BYTES, _fetch_file, _never, _put_part, _run_bounded, part_keys
+from .objects import PARALLEL, PART_BYTES, fetch_file, _never, _put_part, _run_bounded, part_keys
 from .store import Store
 
 PARTS_INDEX = '.parts.json'
@@ -90,7 +90,7 @@ def download_file(store: Store, key: str, path: Path, *, parallel: int = PARALLE
         raise CheckpointError('E-STORE-012', f'{store.join(key + PARTS_INDEX)} is malformed',
                               'upload the file again') from None
       prefix, rel = key.rpartition('/')[0] + '/', key.rpartition('/')[2]
-      _fetch_file(store, prefix if '/' in key else '', rel, want, part_bytes, tmp, parallel,
+      fetch_file(store, prefix if '/' in key else '', rel, want, part_bytes, tmp, parallel,
                   lambda n: None, store.join(key), 'upload it again')
     os.replace(tmp, path)
     atomic.fsync_dir(path.parent)

@@ -387,7 +387,7 @@ def download(
     for rel, want in m['files'].items():
       path = layout.safe_member(tmp, rel)
       path.parent.mkdir(parents=True, exist_ok=True)
-      _fetch_file(store, prefix, rel, want, part_bytes, path, parallel, progressed,
+      fetch_file(store, prefix, rel, want, part_bytes, path, parallel, progressed,
                   f'{where}/{rel}', 'take an older remote checkpoint')
     records = {}
     for name, want in meta.get('records', {}).items():
@@ -410,7 +410,7 @@ def download(
   return final, records
 
 
-def _fetch_file(store: Store, prefix: str, rel: str, want: Mapping[str, Any], part_bytes: int,
+def fetch_file(store: Store, prefix: str, rel: str, want: Mapping[str, Any], part_bytes: int,
                 path: Path, parallel: int, progressed: Callable[[int],
                                                                 None], name: str, fix: str) -> None:
   """Reads the objects of file `rel` under `prefix` into `path` (fsynced), its CRC-32 checked

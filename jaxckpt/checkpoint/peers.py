@@ -1,0 +1,295 @@
+"""A checkpoint brought back from the parts the job's processes hold (the peer tier).
+
+Where each host's checkpoints are on its own disk and each process also keeps replicas of other
+processes' parts (`replicas`), a restart need not wait for the remote tier when the processes
+still hold the bytes between them:
+
+1. Every process says which checkpoints it holds (their seals) and which parts of each, by size;
+   process 0 alone reads what they say (`multihost.Group.collect`).
+2. Process 0 takes the newest checkpoint it holds itself (its records go with it) whose every part
+   is held by some process, or by the remote (`Remote`) when the remote has that very commit.
+   Every process then checks the CRC-32 of the parts it holds of it; a damaged one is passed
+   over for another holder, or the remote, or the next checkpoint.
+3. Process 0 says who sends what to whom: each process needs the parts that hold the shards its
+   devices will hold (whatever mesh it restores to), and lacks some of them (a replacement host's
+   wiped disk: all of them). A part that some process holds is sent from there; one that no
+   living process holds is read from the remote by one process that needs it, then sent on: each
+   byte of the remote once in the job.
+4. The bytes move with a JAX collective (`multihost_utils.broadcast_one_to_all`, in windows of
+   `WINDOW` bytes: NCCL, ICI, gloo on CPU), never a transport of this package's own. Each part
+   received is CRC-checked against the manifest, fsynced and renamed into the step directory; a
+   process that held nothing of the checkpoint gets its manifest last (the commit marker).
+
+Each process then restores from its own step directory as from any other, reading only the byte
+ranges its devices need. Every wait is a `Group` wait, bounded by its timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from . import atomic, layout, manifest, multihost
+from .checksum import crc32
+from .errors import CheckpointError
+from .tree import named_leaves
+
+WINDOW = 32 << 20  # bytes per collective: the buffer each process holds while a part moves
+SMALL = 64 << 10  # the window of small files (a manifest, the run state)
+META = (layout.RUN_STATE, layout.MANIFEST)  # a checkpoint's own files besides its state
+
+
+@dataclasses.dataclass
+class Remote:
+  """What the remote tier offers a peer restore: its newest intact checkpoint (`step`, with its
+  manifest's `seal`) and `fetch(rels, step_dir)`, which downloads those files of it into
+  `step_dir` (CRC-checked) and returns the bytes read."""
+  step: int | None
+  seal: str | None
+  fetch: Callable[[list[str], Path], int]
+
+
+@dataclasses.dataclass
+class Restored:
+  """Where a peer restore left the checkpoint on this process, and where its bytes came from."""
+  path: Path
+  step: int
+  sources: dict[str, int]  # bytes this process reads of it: {'own', 'peers', 'remote'}
+
+
+def held(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
+  """{step: {'seal', 'files': {state file: size}}} of the committed checkpoints here whose
+  manifest is sound (sizes only: the CRCs are checked for the one chosen)."""
+  out = {}
+  for step, path in layout.committed_steps(ckpt_dir).items():
+    try:
+      raw = (path / layout.MANIFEST).read_bytes()
+      m = manifest.parse(path, raw)
+      if manifest.check_seal(raw, m) or not (path / layout.RUN_STATE).is_file():
+        continue
+      files = {}
+      for rel in multihost.state_files(m):
+        member = layout.safe_member(path, rel)  # names from a manifest are checked
+        if member.is_file() and member.stat().st_size == m['files'][rel]['size']:
+          files[rel] = m['files'][rel]['size']
+    except (OSError, CheckpointError, KeyError, TypeError):
+      continue
+    out[str(step)] = {'seal': manifest.seal_of(raw), 'files': files}
+  return out
+
+
+def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
+                remote: Remote | None) -> Restored | None:
+  """Brings this process's step directory of the newest checkpoint the job's processes (and
+  the remote) hold between them to what its devices need for `target`; None on every process
+  when there is none (the caller then takes the remote's newest whole). Every process calls it."""
+  what = 'a restore from the peers'
+  posts = group.collect('peers/held', what, json.dumps(held(ckpt_dir)))
+  views = [json.loads(p) for p in posts] if group.leader else []
+  tried: set[tuple[int, str]] = set()
+  for round_ in range(8):  # each round passes one checkpoint over, or a damaged part
+    if group.leader:
+      word = _next(ckpt_dir, views, remote, tried)
+      group.announce(f'peers/try/{round_}', json.dumps(word))
+    else:
+      word = json.loads(group.await_word(f'peers/try/{round_}', what))
+    if word is None:
+      return None
+    step, seal = word['step'], word['seal']
+    mine = _intact(ckpt_dir, step, seal)
+    intact = group.collect(f'peers/intact/{round_}', what, json.dumps(mine))
+    if group.leader:
+      plan = _plan(ckpt_dir, step, [json.loads(v) for v in intact], target, group.count, remote)
+      if plan is None:  # a damaged part no one else holds: take that one out, try again
+        for k, v in enumerate(intact):
+          views[k].get(str(step), {})['files'] = {r: 0 for r in json.loads(v)}
+        tried.add((step, seal))
+      group.announce(f'peers/plan/{round_}', json.dumps(plan))
+    else:
+      plan = json.loads(group.await_word(f'peers/plan/{round_}', what))
+    if plan is not None:
+      return _carry_out(ckpt_dir, plan, mine, group, remote)
+  return None
+
+
+def _next(ckpt_dir: Path, views: list[dict], remote: Remote | None,
+          tried: set) -> dict[str, Any] | None:
+  """Process 0: the newest checkpoint it holds whose every part some process holds (by size),
+  or the remote holds as the same commit; None when there is none, or the remote's is newer."""
+  for key, mine in sorted(views[0].items(), key=lambda kv: -int(kv[0])):
+    step, seal = int(key), mine['seal']
+    if remote is not None and remote.step is not None and remote.step > step:
+      return None  # the remote's newest is newer: take it whole
+    if (step, seal) in tried:
+      continue
+    m = manifest.read(ckpt_dir / layout.step_dirname(step))
+    on_remote = remote is not None and (remote.step, remote.seal) == (step, seal)
+    held_by = set()
+    for view in views:
+      if view.get(key, {}).get('seal') == seal:
+        held_by |= set(view[key]['files'])
+    if on_remote or set(multihost.state_files(m)) <= held_by:
+      return {'step': step, 'seal': seal}
+  return None
+
+
+def _intact(ckpt_dir: Path, step: int, seal: str) -> list[str]:
+  """The state files of checkpoint (`step`, `seal`) here that match its manifest, CRC included."""
+  path = ckpt_dir / layout.step_dirname(step)
+  try:
+    raw = (path / layout.MANIFEST).read_bytes()
+    if manifest.seal_of(raw) != seal:
+      return []
+    m = manifest.parse(path, raw)
+  except (OSError, CheckpointError):
+    return []
+  files = multihost.state_files(m)
+  bad = manifest.file_problems(path, {**m, 'files': {r: m['files'][r] for r in files}})
+  return [r for r in files if not any(p.startswith(f'{r}:') for p in bad)]
+
+
+def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count: int,
+          remote: Remote | None) -> dict[str, Any] | None:
+  """Process 0: who sends which part to whom ({'step', 'seal', 'files', 'meta_to', 'moves',
+  'needs'}); None when a part is held by no process and not by the remote."""
+  path = ckpt_dir / layout.step_dirname(step)
+  raw = (path / layout.MANIFEST).read_bytes()
+  m = manifest.parse(path, raw)
+  seal = manifest.seal_of(raw)
+  on_remote = remote is not None and (remote.step, remote.seal) == (step, seal)
+  needs = multihost.needed_files(m, named_leaves(target), count)
+  moves = []
+  for rel in multihost.state_files(m):
+    holders = [k for k in range(count) if rel in intact[k]]
+    receivers = [k for k in range(count) if rel in needs[k] and rel not in intact[k]]
+    if not receivers:
+      continue
+    if not holders and not on_remote:
+      return None
+    own = _owner(rel)  # the part's own process sends it, or reads it from the remote, first
+    source = (own if own in holders else holders[0]) if holders else -1
+    moves.append([rel, source, sorted(receivers, key=lambda k: (k != own, k))])
+  files = {rel: m['files'][rel] for rel in multihost.state_files(m)}
+  meta = {name: (path / name).stat().st_size for name in META}
+  return {
+      'step': step, 'seal': seal, 'files': files, 'meta': meta, 'moves': moves,
+      'needs': [sorted(n) for n in needs],
+      'meta_to': [k for k in range(count) if not intact[k] and k != 0]
+  }
+
+
+def _owner(rel: str) -> int:
+  try:
+    return int(Path(rel).stem.rsplit('_', 1)[1])
+  except (IndexError, ValueError):
+    return -1
+
+
+def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str],
+               group: multihost.Group, remote: Remote | None) -> Restored:
+  """Every process, in the same order: the checkpoint's own files to those that lack them, each
+  move's part from its source (read from the remote first when it is -1), then the commit of a
+  step directory that was not here."""
+  me, step = group.index, plan['step']
+  final = ckpt_dir / layout.step_dirname(step)
+  have = me == 0 or bool(mine) or manifest.seal_of(_read(final / layout.MANIFEST)) == plan['seal']
+  work = final if have else layout.temporary_dir(ckpt_dir, step)
+  sources = {'own': 0, 'peers': 0, 'remote': 0}
+  needs = set(plan['needs'][me])
+  try:
+    (work / layout.STATE_DIR).mkdir(parents=True, exist_ok=True)
+    raw = b''
+    if plan['meta_to']:
+      for name in META:
+        got = _broadcast(final / name if me == 0 else None, plan['meta'][name], me in plan['meta_to'])
+        if name == layout.MANIFEST:
+          raw = got or b''
+        elif got is not None:
+          atomic.write_file_durably(work / name, got)
+    for rel, source, receivers in plan['moves']:
+      want = plan['files'][rel]
+      if source == -1:
+        source = receivers[0]
+        if me == source:
+          sources['remote'] += remote.fetch([rel], work)
+      if any(k != source for k in receivers):
+        here = layout.safe_member(work, rel)
+        into = here if me in receivers and me != source else None
+        _broadcast(here if me == source else None, want['size'], into is not None, into, want)
+        if into is not None:
+          sources['peers'] += want['size']
+    sources['own'] = sum(plan['files'][r]['size'] for r in needs if r in mine)
+    if not have:
+      if manifest.seal_of(raw) != plan['seal']:
+        raise CheckpointError('E-CKPT-003', f'the manifest of step {step} sent by process 0 does '
+                              'not match its seal', 'restart the job')
+      atomic.fsync_dir(work / layout.STATE_DIR)
+      atomic.publish_dir(work, final)
+      atomic.fsync_dir(ckpt_dir)
+      atomic.write_file_durably(final / layout.MANIFEST, raw)  # the commit, last
+    else:
+      atomic.fsync_dir(final / layout.STATE_DIR)
+  except BaseException:
+    if not have:
+      import shutil  # pylint: disable=import-outside-toplevel
+      shutil.rmtree(work, ignore_errors=True)
+    raise
+  return Restored(final, step, sources)
+
+
+def _read(path: Path) -> bytes:
+  try:
+    return path.read_bytes()
+  except OSError:
+    return b''
+
+
+def _broadcast(source: Path | None,
+               size: int,
+               receive: bool,
+               into: Path | None = None,
+               want: Mapping[str, Any] | None = None) -> bytes | None:
+  """One file from the process that reads it from `source` to every process, in windows; a
+  receiver gets its bytes (`into` a file, written under a temporary name, CRC-checked against
+  `want`, fsynced and renamed; else returned). Every process calls it with the same `size`."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  window = SMALL if size <= SMALL else WINDOW
+  got, crc = [], 0
+  tmp = None if into is None else into.with_name(into.name + '.peer-tmp')
+  fin = open(source, 'rb') if source is not None else None  # pylint: disable=consider-using-with
+  fout = open(tmp, 'wb') if tmp is not None else None  # pylint: disable=consider-using-with
+  try:
+    for lo in range(0, size, window):
+      n = min(window, size - lo)
+      buf = np.zeros(window, np.uint8)
+      if fin is not None and fin.readinto(memoryview(buf)[:n]) != n:
+        raise CheckpointError('E-CKPT-012', f'{source} ends early', 'restart the job')
+      out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=fin is not None))
+      if fout is not None:
+        fout.write(memoryview(out)[:n])
+        crc = crc32(memoryview(out)[:n], crc)
+      elif receive:
+        got.append(out[:n].tobytes())
+    if fout is not None:
+      fout.flush()
+      os.fsync(fout.fileno())
+      if want is not None and (f'{crc:08x}' != want['crc32'] or fout.tell() != want['size']):
+        raise CheckpointError('E-CKPT-003', f'{into}: the part received does not match its '
+                              f'manifest (crc32 {crc:08x}, manifest says {want["crc32"]})',
+                              'restart the job: it is read again')
+  finally:
+    for f in (fin, fout):
+      if f is not None:
+        f.close()
+  if tmp is not None:
+    os.replace(tmp, into)
+    return None
+  return b''.join(got) if receive else None
+
+
+__all__ = ['META', 'Remote', 'Restored', 'WINDOW', 'held', 'restore_dir']

@@ -1,0 +1,54 @@
+"""Single files of a remote checkpoint, for a restore that takes the rest from its peers
+(`jaxckpt.checkpoint.peers`): each file read once, CRC-checked, fsynced, then renamed in."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .. import layout, manifest
+from ..errors import CheckpointError
+from . import objects
+from .store import Store
+
+
+def peer_source(store: Store, step: int | None, *, inspect: bool = True):
+  """`peers.Remote` for remote checkpoint `step` (its newest intact one; None: none there);
+  its seal read from the store when `inspect` (the process that decides)."""
+  from ..peers import Remote  # pylint: disable=import-outside-toplevel
+  seal = None
+  if step is not None and inspect:
+    raw, _, _, problems = objects.inspect(store, step)
+    seal = manifest.seal_of(raw) if raw is not None and not problems else None
+  return Remote(step if seal or not inspect else None, seal,
+                lambda rels, into: fetch_files(store, step, rels, into))
+
+
+def fetch_files(store: Store, step: int, rels: list[str], step_dir: Path) -> int:
+  """Downloads files `rels` of remote checkpoint `step` into `step_dir`; the bytes read.
+  E-STORE-012 when one is not there intact (nothing is left under its name)."""
+  raw, m, meta, problems = objects.inspect(store, step)
+  where = store.join(objects.step_prefix(step).rstrip('/'))
+  if problems or m is None or meta is None:
+    raise CheckpointError('E-STORE-012', f'{where} is not intact: {(problems or ["?"])[0]}',
+                          'restart the job: an older checkpoint is taken')
+  prefix, total = objects.data_prefix(step, meta), 0
+  for rel in rels:
+    if rel not in m['files']:
+      raise CheckpointError('E-STORE-012', f'{where}: {rel} is not in its manifest',
+                            'restart the job: an older checkpoint is taken')
+    path = layout.safe_member(step_dir, rel)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + '.fetch-tmp')
+    try:
+      objects.fetch_file(store, prefix, rel, m['files'][rel], meta['part_bytes'], tmp,
+                         objects.PARALLEL,
+                         lambda n: None, f'{where}/{rel}', 'restart the job')
+      os.replace(tmp, path)
+    finally:
+      tmp.unlink(missing_ok=True)
+    total += m['files'][rel]['size']
+  return total
+
+
+__all__ = ['fetch_files', 'peer_source']

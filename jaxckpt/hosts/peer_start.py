@@ -1,0 +1,105 @@
+"""Where a run with `--replicas` starts from: the peer tier first, the remote for the rest.
+
+Each host's workdir is its own disk and each process keeps R other processes' parts beside its
+own (`jaxckpt.checkpoint.replicas`). At a restart the processes bring the newest checkpoint they
+hold between them to what each needs (`jaxckpt.checkpoint.peers`): a host whose disk was wiped
+gets its parts from the hosts that kept replicas of them, over the interconnect, and only parts
+no living process holds come from the remote. When the processes hold nothing newer than the
+remote (or nothing whole), every process takes the remote's newest, as without replicas.
+
+The `resumed` event says, per process, the bytes that came from its own disk, from its peers
+and from the remote (`sources`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from absl import logging
+
+from jaxckpt.checkpoint import multihost, peers
+from jaxckpt.checkpoint.remote import partial
+from jaxckpt.errors import UsageError
+
+
+def check(replicas: int, *, remote: Any, shared: bool, count: int, workdir: Path,
+          part_bytes: int, keep: int) -> None:
+  """E-CONFIG-010 (exit 2) for `--replicas` a job cannot hold, before anything is written;
+  on a RAM disk (`/dev/shm`), when the parts kept would not fit in the memory available."""
+  if replicas <= 0:
+    return
+  fix = ("use --replicas=0, or one process per host, each with --workdir on its own disk, "
+         'and --remote')
+  if count < 2 or shared or remote is None:
+    why = ('one process' if count < 2 else 'a workdir every process shares' if shared else
+           'no --remote (the tier that holds what no peer does)')
+    raise UsageError('E-CONFIG-010', f'--replicas={replicas} with {why}', fix)
+  if replicas >= count:
+    raise UsageError(
+        'E-CONFIG-010', f'--replicas={replicas} with {count} processes: each part would need '
+        f'{replicas} other hosts to keep it and there are {count - 1}',
+        f'use --replicas between 1 and {count - 1}')
+  kept = (replicas + 1) * part_bytes * (max(keep, 1) + 1)  # the checkpoints kept + one being saved
+  available = _mem_available()
+  if _on_ram(workdir) and available is not None and kept > available:
+    raise UsageError(
+        'E-CONFIG-010', f'--workdir={workdir} is in memory: {replicas + 1} parts of '
+        f'{part_bytes / 1e6:.0f} MB for each of {max(keep, 1) + 1} checkpoints need '
+        f'{kept / 1e9:.1f} GB and {available / 1e9:.1f} GB is available',
+        'use a smaller --keep or --replicas, or a workdir on disk')
+
+
+def resume_point(run, ckpt_dir: Path, target: Any, timeout_secs: float) -> Path | None:
+  """The checkpoint this process restores from (None: a fresh start); sets `run.restored`
+  ({'step', 'processes': [{'own', 'peers', 'remote'}, ...]} on process 0) when the peers
+  supplied it."""
+  t0 = time.monotonic()
+  group = multihost.Group(timeout_secs)
+  # Process 0 decides what the remote holds; any process may be the one to read a part of it.
+  remote = partial.peer_source(run.store, run.start_step, inspect=run.leader)
+  got = peers.restore_dir(ckpt_dir, target, group, remote)
+  if got is None:  # nothing newer than the remote between the peers: its newest, whole
+    run.sync_down(ckpt_dir, fetch=True)
+    return run.resume_point(ckpt_dir)
+  seconds = round(time.monotonic() - t0, 3)
+  every = group.collect('peers/sources', 'a restore from the peers', json.dumps(got.sources))
+  mb = {k: f'{v / 1e6:.1f}' for k, v in got.sources.items()}
+  logging.info('step %d from the peer tier in %.1f s: %s MB from this disk, %s MB from peers, '
+               '%s MB from %s', got.step, seconds, mb['own'], mb['peers'], mb['remote'],
+               run.store.url)
+  if every is not None:
+    run.restored = {'step': got.step, 'seconds': seconds,
+                    'processes': [json.loads(v) for v in every]}
+  return got.path
+
+
+def _on_ram(path: Path) -> bool:
+  """Whether `path` is on tmpfs or ramfs (the local tier then costs host memory)."""
+  best, kind = '', ''
+  try:
+    with open('/proc/mounts', encoding='utf-8') as f:
+      for line in f:
+        fields = line.split()
+        mount = fields[1]
+        if str(path.resolve()).startswith(mount.rstrip('/') + '/') and len(mount) > len(best):
+          best, kind = mount, fields[2]
+  except OSError:
+    return False
+  return kind in ('tmpfs', 'ramfs')
+
+
+def _mem_available() -> int | None:
+  try:
+    with open('/proc/meminfo', encoding='utf-8') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+__all__ = ['check', 'resume_point']

@@ -1,0 +1,155 @@
+"""The peer tier of the checkpoint library: replicas of other processes' parts, and a restore
+from them, across 3 real jax.distributed processes (one CPU device each, gloo), each with its
+own directory (`host{k}`).
+
+Each test starts the processes of this file (`python tests/test_peers.py CMD ...`, see `worker`).
+The state's values are a pure function of nothing, so a restore checks what it got, byte for
+byte; a replica is checked against its owner's file, byte for byte.
+"""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+from conftest import finish_processes, start_processes
+
+COUNT = 3
+SPECS = {  # name: (shape, dtype, partition spec over ('data',))
+    'params/w': ((6, 16), 'float32', ('data',)),  # split: each process holds a third
+    'params/e': ((12, 8), 'float32', ()),  # replicated: every process holds it all
+    'opt/mu': ((9, 4), 'float32', ('data',)),
+    'opt/count': ((), 'int32', ()),
+}
+
+
+def expected() -> dict[str, np.ndarray]:
+  rng = np.random.default_rng(7)
+  return {n: (rng.standard_normal(s) * 100).astype(d) for n, (s, d, _) in SPECS.items()}
+
+
+def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
+  """`save STEP...` (replicas=1), or `restore` (the peer tier brings this process's directory to
+  what it needs; then every shard is checked and the sources printed as JSON)."""
+  import jax
+  jax.config.update('jax_num_cpu_devices', 1)
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(coordinator, num_processes=COUNT, process_id=process)
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, multihost, peers
+  mesh = Mesh(np.asarray(jax.devices()), ('data',))
+  want = expected()
+  shardings = {n: NamedSharding(mesh, P(*spec)) for n, (_, _, spec) in SPECS.items()}
+  directory = Path(root) / f'host{process}'
+  if cmd == 'save':
+    with CheckpointManager(directory, CheckpointOptions(replicas=1, keep=0,
+                                                        barrier_timeout_secs=60)) as mgr:
+      for step in map(int, rest):
+        state = {
+            n: jax.make_array_from_callback(x.shape, shardings[n], lambda i, x=x * step: x[i])
+            for n, x in want.items()
+        }
+        mgr.save(step, state)
+    print('saved', flush=True)
+    return
+  target = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[n]) for n, x in want.items()}
+  remote = None
+  if rest:  # the remote tier: its newest intact checkpoint, `rest[1]`
+    from jaxckpt.checkpoint.remote import Store, partial
+    remote = partial.peer_source(Store(rest[0]), int(rest[1]), inspect=process == 0)
+  got = peers.restore_dir(directory, target, multihost.Group(60), remote)
+  if got is None:
+    print('RESULT null', flush=True)
+    return
+  mgr = CheckpointManager(directory, CheckpointOptions(barrier_timeout_secs=60))
+  state, _ = mgr.restore(got.path, target)
+  for name, x in state.items():
+    for shard in x.addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), (want[name] * got.step)[shard.index])
+  print('RESULT ' + json.dumps({'step': got.step, **got.sources}), flush=True)
+
+
+def _run(tmp_path, compile_cache, *args) -> list[str]:
+  procs = start_processes(
+      lambda k, coord: [sys.executable, __file__, args[0], str(k), coord, str(tmp_path), *args[1:]],
+      COUNT, cache=compile_cache)
+  out = []
+  for code, text in finish_processes(procs, timeout=180):
+    assert code == 0, text[-3000:]
+    out.append(text)
+  return out
+
+
+def _results(outs: list[str]) -> list[dict]:
+  return [json.loads(next(l for l in o.splitlines() if l.startswith('RESULT '))[7:]) for o in outs]
+
+
+def _state(tmp_path, k: int, step: int) -> Path:
+  return tmp_path / f'host{k}' / f'step_{step:08d}' / 'state'
+
+
+def test_each_process_keeps_a_byte_identical_replica_of_the_one_before_it(tmp_path, compile_cache):
+  _run(tmp_path, compile_cache, 'save', '10')
+  for k in range(COUNT):
+    mine = sorted(p.name for p in _state(tmp_path, k, 10).iterdir())
+    before = (k - 1) % COUNT
+    assert mine == sorted([f'process_{k}.safetensors', f'process_{before}.safetensors'])
+    assert (_state(tmp_path, k, 10) / f'process_{before}.safetensors').read_bytes() == \
+        (_state(tmp_path, before, 10) / f'process_{before}.safetensors').read_bytes()
+
+
+def test_a_wiped_host_is_restored_from_its_peers_and_a_damaged_replica_is_passed_over(
+    tmp_path, compile_cache):
+  _run(tmp_path, compile_cache, 'save', '10', '20')
+  shutil.rmtree(tmp_path / 'host1')  # a replacement VM: nothing of its own
+  # Process 1's part of step 20 is kept by process 2 alone: damaged there, step 20 cannot be
+  # brought back from the peers, and step 10 is (process 1's own part of it from process 2's
+  # intact replica; process 0's part, which process 1 also needs, from process 0).
+  replica = _state(tmp_path, 2, 20) / 'process_1.safetensors'
+  data = bytearray(replica.read_bytes())
+  data[-1] ^= 0xFF
+  replica.write_bytes(bytes(data))
+  results = _results(_run(tmp_path, compile_cache, 'restore'))
+  assert [r['step'] for r in results] == [10] * COUNT
+  assert results[1]['own'] == 0 and results[1]['remote'] == 0 and results[1]['peers'] > 0
+  assert all(r['remote'] == 0 and r['own'] > 0 for r in results[0::2])
+  # Process 1's directory is a committed checkpoint again, its own part byte-identical.
+  assert (_state(tmp_path, 1, 10) / 'process_1.safetensors').read_bytes() == \
+      (_state(tmp_path, 2, 10) / 'process_1.safetensors').read_bytes()
+  assert (tmp_path / 'host1' / 'step_00000010' / 'manifest.json').read_bytes() == \
+      (tmp_path / 'host0' / 'step_00000010' / 'manifest.json').read_bytes()
+
+
+def test_without_a_remote_two_wiped_neighbours_leave_nothing_whole(tmp_path, compile_cache):
+  _run(tmp_path, compile_cache, 'save', '10')
+  shutil.rmtree(tmp_path / 'host1')
+  shutil.rmtree(tmp_path / 'host2')  # process 1's part was on 1 and 2: no one holds it
+  assert _results(_run(tmp_path, compile_cache, 'restore')) == [None] * COUNT
+
+
+def test_the_remote_fills_in_the_part_no_peer_holds_each_byte_read_once(
+    tmp_path, compile_cache, s3_server):
+  from jaxckpt.checkpoint.remote import Store, objects
+  _run(tmp_path, compile_cache, 'save', '10')
+  whole = tmp_path / 'whole' / 'step_00000010'  # what the uploaders of the 3 hosts put there
+  shutil.copytree(tmp_path / 'host0' / 'step_00000010', whole)
+  shutil.copy(_state(tmp_path, 1, 10) / 'process_1.safetensors', whole / 'state')
+  url = s3_server.bucket()
+  objects.upload(Store(url), whole, {}, may_write=lambda _: None, may_delete=lambda _: None)
+  shutil.rmtree(tmp_path / 'host1')
+  shutil.rmtree(tmp_path / 'host2')  # process 1's part was on hosts 1 and 2 alone
+  results = _results(_run(tmp_path, compile_cache, 'restore', url, '10'))
+  assert [r['step'] for r in results] == [10] * COUNT
+  part = (whole / 'state' / 'process_1.safetensors').stat().st_size
+  assert sum(r['remote'] for r in results) == part  # read once in the job, by process 1
+  assert results[1]['remote'] == part and results[2]['peers'] > 0
+  for k in (1, 2):  # each a committed checkpoint again, its own part byte-identical
+    assert (_state(tmp_path, k, 10) / f'process_{k}.safetensors').read_bytes() == \
+        (whole / 'state' / f'process_{k}.safetensors').read_bytes()
+
+
+if __name__ == '__main__':
+  worker(sys.argv[1], int(sys.argv[2]), *sys.argv[3:])
