@@ -34,8 +34,12 @@ def straight(trainer, tmp_path_factory):
   return runs
 
 
-@pytest.mark.parametrize('devices, stop', [(1, signal.SIGKILL), (8, signal.SIGKILL),
-                                           (1, signal.SIGTERM), (8, signal.SIGTERM)])
+@pytest.mark.parametrize('devices, stop', [
+    (1, signal.SIGKILL),
+    pytest.param(8, signal.SIGKILL, marks=pytest.mark.slow),
+    pytest.param(1, signal.SIGTERM, marks=pytest.mark.slow),
+    (8, signal.SIGTERM),
+])  # the other two pairs: `-m slow`
 def test_stopped_run_continued_by_the_same_command_is_bit_exact(trainer, straight, tmp_path,
                                                                 devices, stop):
   proc = trainer.start(tmp_path, *RUN_FLAGS, *MESHES[devices], devices=devices)

@@ -43,7 +43,12 @@ def assert_same_command_finishes(trainer, workdir, step, *flags):
   assert sorted(read_loss_history(workdir)) == list(range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+# One handler serves the three: SIGINT's and SIGHUP's runs are in the slow set (`-m slow`).
+@pytest.mark.parametrize('signum', [
+    signal.SIGTERM,
+    pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+    pytest.param(signal.SIGHUP, marks=pytest.mark.slow)
+])
 def test_stop_signal_checkpoints_the_current_step_and_exits_128_plus_n(trainer, tmp_path, signum):
   proc = trainer.start(tmp_path, *FLAGS)
   wait_for(training_has_begun(tmp_path), proc)
@@ -223,7 +228,7 @@ def pending(pid: int, signum: int) -> bool:
   return any(int(fields[f], 16) >> (signum - 1) & 1 for f in ('SigPnd', 'ShdPnd'))
 
 
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize('signum', [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_stop_signal_while_importing_stops_before_the_first_step(trainer, tmp_path, signum):
   """The README's start-up corner case, for a signal that comes before jax is even imported."""
   proc, go = start_held_in_flag_parsing(trainer, tmp_path)
@@ -272,7 +277,11 @@ def freeze_once_finished(proc, workdir) -> bool:
   return False
 
 
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1])
+@pytest.mark.parametrize('signum', [
+    signal.SIGTERM,
+    pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+    pytest.param(signal.SIGHUP, marks=pytest.mark.slow), signal.SIGUSR1
+])
 def test_signal_after_the_last_step_leaves_the_run_finished(trainer, tmp_path, signum):
   """The README's last corner case: exit 0 and `finished`, however late the signal comes."""
   for attempt in range(3):  # caught alive after its last event: nearly always the first time
