@@ -45,8 +45,8 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   shardings = {n: NamedSharding(mesh, P(*spec)) for n, (_, _, spec) in SPECS.items()}
   directory = Path(root) / f'host{process}'
   if cmd == 'save':
-    with CheckpointManager(directory, CheckpointOptions(replicas=1, keep=0,
-                                                        barrier_timeout_secs=60)) as mgr:
+    with CheckpointManager(directory,
+                           CheckpointOptions(replicas=1, keep=0, barrier_timeout_secs=60)) as mgr:
       for step in map(int, rest):
         state = {
             n: jax.make_array_from_callback(x.shape, shardings[n], lambda i, x=x * step: x[i])
@@ -55,7 +55,9 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
         mgr.save(step, state)
     print('saved', flush=True)
     return
-  target = {n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[n]) for n, x in want.items()}
+  target = {
+      n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[n]) for n, x in want.items()
+  }
   remote = None
   if rest:  # the remote tier: its newest intact checkpoint, `rest[1]`
     from jaxckpt.checkpoint.remote import Store, partial
@@ -74,8 +76,11 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
 
 def _run(tmp_path, compile_cache, *args) -> list[str]:
   procs = start_processes(
-      lambda k, coord: [sys.executable, __file__, args[0], str(k), coord, str(tmp_path), *args[1:]],
-      COUNT, cache=compile_cache)
+      lambda k, coord: [sys.executable, __file__, args[0],
+                        str(k), coord,
+                        str(tmp_path), *args[1:]],
+      COUNT,
+      cache=compile_cache)
   out = []
   for code, text in finish_processes(procs, timeout=180):
     assert code == 0, text[-3000:]

@@ -82,13 +82,14 @@ def test_a_wiped_host_comes_back_from_its_peer_and_the_run_is_bit_identical(
   assert all(s['remote'] == 0 for s in sources)
   final = hosts[0] / 'checkpoints' / 'step_00000060'
   whole = objects.download(store, 60, tmp_path / 'downloaded')[0]
-  assert_same_bytes(read_host_arrays(whole), read_host_arrays(straight / 'checkpoints' / final.name))
+  assert_same_bytes(
+      read_host_arrays(whole), read_host_arrays(straight / 'checkpoints' / final.name))
   assert losses(hosts[0]) == losses(straight)
 
 
 def test_replicas_without_own_disks_or_a_remote_are_refused(tmp_path, compile_cache):
-  results = finish_processes(_launch(compile_cache, tmp_path / 'shared', '--replicas=1'),
-                             timeout=120)
+  results = finish_processes(
+      _launch(compile_cache, tmp_path / 'shared', '--replicas=1'), timeout=120)
   for k, (code, out) in enumerate(results):
     assert code == 2 and 'E-CONFIG-010' in out and 'Traceback' not in out, (k, out[-3000:])
   assert not list(tmp_path.rglob('step_*'))

@@ -228,7 +228,8 @@ def pending(pid: int, signum: int) -> bool:
   return any(int(fields[f], 16) >> (signum - 1) & 1 for f in ('SigPnd', 'ShdPnd'))
 
 
-@pytest.mark.parametrize('signum', [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    'signum', [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_stop_signal_while_importing_stops_before_the_first_step(trainer, tmp_path, signum):
   """The README's start-up corner case, for a signal that comes before jax is even imported."""
   proc, go = start_held_in_flag_parsing(trainer, tmp_path)

@@ -112,12 +112,14 @@ def parse(step_dir: Path, raw: bytes) -> dict[str, Any]:
   return m
 
 
-def file_problems(step_dir: Path,
-                  manifest: Mapping[str, Any] | None = None,
-                  *,
-                  checksums: bool = True,
-                  skip_checksum: Iterable[str] = (),
-                  absent_ok: Iterable[str] = ()) -> list[str]:
+def file_problems(
+    step_dir: Path,
+    manifest: Mapping[str, Any] | None = None,
+    *,
+    checksums: bool = True,
+    skip_checksum: Iterable[str] = (),
+    absent_ok: Iterable[str] = ()
+) -> list[str]:
   """Problems found comparing the files under `step_dir` with its manifest ([] when intact).
 
   Files in `skip_checksum` get their size checked only (their reader checks the CRC itself);
@@ -239,8 +241,12 @@ def audit(
   return m, problems
 
 
-def commit(tmp: Path, final: Path, step: int, known: Mapping[str, Mapping[str, Any]],
-           tensors: list[dict[str, Any]], metadata: Mapping[str, Any],
+def commit(tmp: Path,
+           final: Path,
+           step: int,
+           known: Mapping[str, Mapping[str, Any]],
+           tensors: list[dict[str, Any]],
+           metadata: Mapping[str, Any],
            run_state: bytes,
            committed_at: float | None = None) -> dict[str, dict[str, Any]]:
   """Seal the written directory `tmp` (with `run_state` and a manifest covering every file) as

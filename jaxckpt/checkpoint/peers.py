@@ -190,8 +190,8 @@ def _owner(rel: str) -> int:
     return -1
 
 
-def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str],
-               group: multihost.Group, remote: Remote | None) -> Restored:
+def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: multihost.Group,
+               remote: Remote | None) -> Restored:
   """Every process, in the same order: the checkpoint's own files to those that lack them, each
   move's part from its source (read from the remote first when it is -1), then the commit of a
   step directory that was not here."""
@@ -206,7 +206,8 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str],
     raw = b''
     if plan['meta_to']:
       for name in META:
-        got = _broadcast(final / name if me == 0 else None, plan['meta'][name], me in plan['meta_to'])
+        got = _broadcast(final / name if me == 0 else None, plan['meta'][name], me
+                         in plan['meta_to'])
         if name == layout.MANIFEST:
           raw = got or b''
         elif got is not None:
@@ -226,8 +227,9 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str],
     sources['own'] = sum(plan['files'][r]['size'] for r in needs if r in mine)
     if not have:
       if manifest.seal_of(raw) != plan['seal']:
-        raise CheckpointError('E-CKPT-003', f'the manifest of step {step} sent by process 0 does '
-                              'not match its seal', 'restart the job')
+        raise CheckpointError(
+            'E-CKPT-003', f'the manifest of step {step} sent by process 0 does '
+            'not match its seal', 'restart the job')
       atomic.fsync_dir(work / layout.STATE_DIR)
       atomic.publish_dir(work, final)
       atomic.fsync_dir(ckpt_dir)
@@ -279,9 +281,10 @@ def _broadcast(source: Path | None,
       fout.flush()
       os.fsync(fout.fileno())
       if want is not None and (f'{crc:08x}' != want['crc32'] or fout.tell() != want['size']):
-        raise CheckpointError('E-CKPT-003', f'{into}: the part received does not match its '
-                              f'manifest (crc32 {crc:08x}, manifest says {want["crc32"]})',
-                              'restart the job: it is read again')
+        raise CheckpointError(
+            'E-CKPT-003', f'{into}: the part received does not match its '
+            f'manifest (crc32 {crc:08x}, manifest says {want["crc32"]})',
+            'restart the job: it is read again')
   finally:
     for f in (fin, fout):
       if f is not None:

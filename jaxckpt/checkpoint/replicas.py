@@ -55,7 +55,7 @@ def check(replicas: int, count: int, shared: bool) -> None:
     raise ArgumentError(
         'E-CONFIG-010', f'replicas={replicas} needs several processes, each with its own disk '
         f'(this job: {count} process(es), {"one shared" if shared else "own"} directory)',
-        'use replicas=0, or one process per host with a workdir on each host\'s own disk')
+        "use replicas=0, or one process per host with a workdir on each host's own disk")
   if replicas >= count:
     raise ArgumentError(
         'E-CONFIG-010', f'replicas={replicas} with {count} processes: each part would need '
@@ -85,7 +85,8 @@ def shifted(sharding: NamedSharding, shift: int) -> NamedSharding:
   }
   mesh = sharding.mesh
   devices = np.vectorize(move.__getitem__, otypes=[object])(mesh.devices)
-  return NamedSharding(Mesh(devices, mesh.axis_names), sharding.spec, memory_kind=sharding.memory_kind)
+  return NamedSharding(
+      Mesh(devices, mesh.axis_names), sharding.spec, memory_kind=sharding.memory_kind)
 
 
 def dispatch(leaves: Mapping[str, Any], replicas: int) -> list[tuple[int, dict, dict]]:
@@ -95,7 +96,8 @@ def dispatch(leaves: Mapping[str, Any], replicas: int) -> list[tuple[int, dict, 
   arrays = [n for n, x in leaves.items() if isinstance(x, jax.Array)]
   out = []
   for r, of in enumerate(kept_by(me, count, replicas), start=1):
-    moved = jax.device_put([leaves[n] for n in arrays], [shifted(leaves[n].sharding, r) for n in arrays])
+    moved = jax.device_put([leaves[n] for n in arrays],
+                           [shifted(leaves[n].sharding, r) for n in arrays])
     parts, places = multihost.owned_parts(
         leaves, of=of, moved={**leaves, **dict(zip(arrays, moved))})
     out.append((of, parts, places))
@@ -108,7 +110,8 @@ def write(state_dir: Path, copies: list[tuple[int, dict, dict]]) -> dict[str, di
   for of, parts, places in copies:
     name = statefile.file_name(of)
     host = {t: np.asarray(x) for t, x in parts.items()}  # waits for the move
-    files, _ = statefile.write(state_dir, host, name=name, metadata=multihost.header_metadata(places))
+    files, _ = statefile.write(
+        state_dir, host, name=name, metadata=multihost.header_metadata(places))
     written[f'{state_dir.name}/{name}'] = files[name]
     del host
   return written
@@ -124,7 +127,7 @@ def keep_matching(step_dir: Path, written: Mapping[str, Mapping[str, Any]],
     if want is not None and got['size'] == want['size'] and got['crc32'] == want['crc32']:
       kept.append(rel)
       continue
-    log.warning('replica %s of %s differs from its owner\'s part (%s, owner: %s): not kept', rel,
+    log.warning("replica %s of %s differs from its owner's part (%s, owner: %s): not kept", rel,
                 step_dir.name, got, want)
     try:
       os.unlink(step_dir / rel)

@@ -25,17 +25,17 @@ from jaxckpt.checkpoint.remote import partial
 from jaxckpt.errors import UsageError
 
 
-def check(replicas: int, *, remote: Any, shared: bool, count: int, workdir: Path,
-          part_bytes: int, keep: int) -> None:
+def check(replicas: int, *, remote: Any, shared: bool, count: int, workdir: Path, part_bytes: int,
+          keep: int) -> None:
   """E-CONFIG-010 (exit 2) for `--replicas` a job cannot hold, before anything is written;
   on a RAM disk (`/dev/shm`), when the parts kept would not fit in the memory available."""
   if replicas <= 0:
     return
-  fix = ("use --replicas=0, or one process per host, each with --workdir on its own disk, "
+  fix = ('use --replicas=0, or one process per host, each with --workdir on its own disk, '
          'and --remote')
   if count < 2 or shared or remote is None:
-    why = ('one process' if count < 2 else 'a workdir every process shares' if shared else
-           'no --remote (the tier that holds what no peer does)')
+    why = ('one process' if count < 2 else 'a workdir every process shares'
+           if shared else 'no --remote (the tier that holds what no peer does)')
     raise UsageError('E-CONFIG-010', f'--replicas={replicas} with {why}', fix)
   if replicas >= count:
     raise UsageError(
@@ -67,12 +67,13 @@ def resume_point(run, ckpt_dir: Path, target: Any, timeout_secs: float) -> Path 
   seconds = round(time.monotonic() - t0, 3)
   every = group.collect('peers/sources', 'a restore from the peers', json.dumps(got.sources))
   mb = {k: f'{v / 1e6:.1f}' for k, v in got.sources.items()}
-  logging.info('step %d from the peer tier in %.1f s: %s MB from this disk, %s MB from peers, '
-               '%s MB from %s', got.step, seconds, mb['own'], mb['peers'], mb['remote'],
-               run.store.url)
+  logging.info(
+      'step %d from the peer tier in %.1f s: %s MB from this disk, %s MB from peers, '
+      '%s MB from %s', got.step, seconds, mb['own'], mb['peers'], mb['remote'], run.store.url)
   if every is not None:
-    run.restored = {'step': got.step, 'seconds': seconds,
-                    'processes': [json.loads(v) for v in every]}
+    run.restored = {
+        'step': got.step, 'seconds': seconds, 'processes': [json.loads(v) for v in every]
+    }
   return got.path
 
 

@@ -143,8 +143,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     trainer = build_trainer(config) if replicas else None  # the peer tier needs its shardings
     if replicas:
       peer_start.check(
-          replicas, remote=remote, shared=shared, count=distributed.current().count,
-          workdir=workdir, part_bytes=tree_nbytes(trainer.abstract_state()) // distributed.current().count,
+          replicas,
+          remote=remote,
+          shared=shared,
+          count=distributed.current().count,
+          workdir=workdir,
+          part_bytes=tree_nbytes(trainer.abstract_state()) // distributed.current().count,
           keep=config.checkpoint.keep)
     # A newer remote checkpoint (and its records) comes down; the others wait for process 0's.
     distributed.together(

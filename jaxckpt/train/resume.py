@@ -196,7 +196,10 @@ def _start_from(session: Session, resume_dir: Path | None) -> tuple[TrainState, 
     # With --replicas, where each process's bytes came from: its disk, its peers, the remote.
     sources = getattr(session.remote, 'restored', None)
     runlog.event(
-        'resumed', step=step, path=str(resume_dir), changes=changes,
+        'resumed',
+        step=step,
+        path=str(resume_dir),
+        changes=changes,
         **({'sources': sources} if sources and sources['step'] == step else {}))
     logging.info('resumed from %s (step %d)', resume_dir, step)
     if resume_dir.suffix != '.bin':  # a .bin records no config

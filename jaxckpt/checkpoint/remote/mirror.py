@@ -91,7 +91,7 @@ def download_file(store: Store, key: str, path: Path, *, parallel: int = PARALLE
                               'upload the file again') from None
       prefix, rel = key.rpartition('/')[0] + '/', key.rpartition('/')[2]
       fetch_file(store, prefix if '/' in key else '', rel, want, part_bytes, tmp, parallel,
-                  lambda n: None, store.join(key), 'upload it again')
+                 lambda n: None, store.join(key), 'upload it again')
     os.replace(tmp, path)
     atomic.fsync_dir(path.parent)
   finally:

@@ -42,8 +42,7 @@ def fetch_files(store: Store, step: int, rels: list[str], step_dir: Path) -> int
     tmp = path.with_name(path.name + '.fetch-tmp')
     try:
       objects.fetch_file(store, prefix, rel, m['files'][rel], meta['part_bytes'], tmp,
-                         objects.PARALLEL,
-                         lambda n: None, f'{where}/{rel}', 'restart the job')
+                         objects.PARALLEL, lambda n: None, f'{where}/{rel}', 'restart the job')
       os.replace(tmp, path)
     finally:
       tmp.unlink(missing_ok=True)
