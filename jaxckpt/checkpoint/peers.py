@@ -15,31 +15,32 @@ still hold the bytes between them:
    wiped disk: all of them). A part that some process holds is sent from there; one that no
    living process holds is read from the remote by one process that needs it, then sent on: each
    byte of the remote once in the job.
-4. The bytes move with a JAX collective (`multihost_utils.broadcast_one_to_all`, in windows of
-   `WINDOW` bytes: NCCL, ICI, gloo on CPU), never a transport of this package's own. Each part
-   received is CRC-checked against the manifest, fsynced and renamed into the step directory; a
+4. The parts move point to point, in rounds of sends that run at once, each a JAX collective
+   permute in windows (`sends`: NCCL, ICI, gloo on CPU), never a transport of this package's
+   own; disk reads and writes overlap the collective. Each part received is CRC-checked against
+   the manifest, fsynced and renamed into the step directory; the small files go by
+   `multihost_utils.broadcast_one_to_all`, and a
    process that held nothing of the checkpoint gets its manifest last (the commit marker).
 
 Each process then restores from its own step directory as from any other, reading only the byte
-ranges its devices need. Every wait is a `Group` wait, bounded by its timeout.
+ranges its devices need. The `Group` waits are bounded by its timeout; the collectives are not
+(a process lost in the middle of one is seen by the job's own heartbeats).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from . import atomic, layout, manifest, multihost
-from .checksum import crc32
+from . import atomic, layout, manifest, multihost, sends
 from .errors import CheckpointError
 from .tree import named_leaves
 
-WINDOW = 32 << 20  # bytes per collective: the buffer each process holds while a part moves
 SMALL = 64 << 10  # the window of small files (a manifest, the run state)
 META = (layout.RUN_STATE, layout.MANIFEST)  # a checkpoint's own files besides its state
 
@@ -212,18 +213,15 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
           raw = got or b''
         elif got is not None:
           atomic.write_file_durably(work / name, got)
+    pairs = []  # (part, from, to); a part no process holds is read from the remote first
     for rel, source, receivers in plan['moves']:
-      want = plan['files'][rel]
       if source == -1:
         source = receivers[0]
         if me == source:
           sources['remote'] += remote.fetch([rel], work)
-      if any(k != source for k in receivers):
-        here = layout.safe_member(work, rel)
-        into = here if me in receivers and me != source else None
-        _broadcast(here if me == source else None, want['size'], into is not None, into, want)
-        if into is not None:
-          sources['peers'] += want['size']
+      pairs += [(rel, source, k) for k in receivers if k != source]
+    sources['peers'] = sends.carry(pairs, plan['files'], me,
+                                   lambda rel: layout.safe_member(work, rel))
     sources['own'] = sum(plan['files'][r]['size'] for r in needs if r in mine)
     if not have:
       if manifest.seal_of(raw) != plan['seal']:
@@ -251,48 +249,27 @@ def _read(path: Path) -> bytes:
     return b''
 
 
-def _broadcast(source: Path | None,
-               size: int,
-               receive: bool,
-               into: Path | None = None,
-               want: Mapping[str, Any] | None = None) -> bytes | None:
-  """One file from the process that reads it from `source` to every process, in windows; a
-  receiver gets its bytes (`into` a file, written under a temporary name, CRC-checked against
-  `want`, fsynced and renamed; else returned). Every process calls it with the same `size`."""
+def _broadcast(source: Path | None, size: int, receive: bool) -> bytes | None:
+  """A small file from the process that reads it from `source` to every process (a JAX
+  collective, in windows); a receiver gets its bytes. Every process calls it with the same
+  `size`."""
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  window = SMALL if size <= SMALL else WINDOW
-  got, crc = [], 0
-  tmp = None if into is None else into.with_name(into.name + '.peer-tmp')
-  fin = open(source, 'rb') if source is not None else None  # pylint: disable=consider-using-with
-  fout = open(tmp, 'wb') if tmp is not None else None  # pylint: disable=consider-using-with
-  try:
+  window = SMALL if size <= SMALL else sends.WINDOW
+  got = []
+  with open(source, 'rb') if source is not None else _nothing() as fin:
     for lo in range(0, size, window):
       n = min(window, size - lo)
       buf = np.zeros(window, np.uint8)
       if fin is not None and fin.readinto(memoryview(buf)[:n]) != n:
         raise CheckpointError('E-CKPT-012', f'{source} ends early', 'restart the job')
       out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=fin is not None))
-      if fout is not None:
-        fout.write(memoryview(out)[:n])
-        crc = crc32(memoryview(out)[:n], crc)
-      elif receive:
-        got.append(out[:n].tobytes())
-    if fout is not None:
-      fout.flush()
-      os.fsync(fout.fileno())
-      if want is not None and (f'{crc:08x}' != want['crc32'] or fout.tell() != want['size']):
-        raise CheckpointError(
-            'E-CKPT-003', f'{into}: the part received does not match its '
-            f'manifest (crc32 {crc:08x}, manifest says {want["crc32"]})',
-            'restart the job: it is read again')
-  finally:
-    for f in (fin, fout):
-      if f is not None:
-        f.close()
-  if tmp is not None:
-    os.replace(tmp, into)
-    return None
+      got.append(out[:n].tobytes())
   return b''.join(got) if receive else None
 
 
-__all__ = ['META', 'Remote', 'Restored', 'WINDOW', 'held', 'restore_dir']
+@contextlib.contextmanager
+def _nothing():
+  yield None
+
+
+__all__ = ['META', 'Remote', 'Restored', 'held', 'restore_dir']

@@ -1,0 +1,157 @@
+"""Files sent from one process to another over the job's interconnect, point to point.
+
+A restore from the peer tier (`peers`) has parts to move: (file, from, to). They go in rounds; in
+each round a process sends at most one file and receives at most one, and all of the round's
+pairs move at once, window by window, in one XLA collective permute (`jax.lax.ppermute` in a
+`shard_map` over one device of each process: NCCL or ICI on accelerators, gloo on CPU). Each
+window's read from disk overlaps the collective before it, and its write (with the CRC-32) the
+one after it. A received file is checked against its manifest entry, fsynced and renamed in.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from .checksum import crc32
+from .errors import CheckpointError
+
+WINDOW = 32 << 20  # bytes per process per collective
+Pair = tuple[str, int, int]  # (file, the process that sends it, the process that receives it)
+
+
+def rounds(pairs: list[Pair]) -> list[list[Pair]]:
+  """`pairs` in rounds in which no process sends or receives twice (every process computes the
+  same from the same list)."""
+  left, out = list(pairs), []
+  while left:
+    senders, receivers, now, later = set(), set(), [], []
+    for pair in left:
+      _, src, dst = pair
+      if src in senders or dst in receivers:
+        later.append(pair)
+        continue
+      senders.add(src)
+      receivers.add(dst)
+      now.append(pair)
+    out.append(now)
+    left = later
+  return out
+
+
+def carry(pairs: list[Pair], files: Mapping[str, Mapping[str, Any]], me: int,
+          path_of: Callable[[str], Path]) -> int:
+  """Every process, with the same `pairs`: sends the files it is the sender of (read at
+  `path_of(file)`), receives the ones it is the receiver of (written there); returns the bytes
+  this process received. `files` gives each file's size and CRC-32."""
+  received = 0
+  for round_ in rounds(pairs):
+    out = [rel for rel, src, _ in round_ if src == me]
+    into = [rel for rel, _, dst in round_ if dst == me]
+    size = max(files[rel]['size'] for rel, _, _ in round_)
+    perm = tuple(sorted((src, dst) for _, src, dst in round_))
+    _round(perm, size, (path_of(out[0]), files[out[0]]['size']) if out else None,
+           (path_of(into[0]), files[into[0]]) if into else None)
+    received += files[into[0]]['size'] if into else 0
+  return received
+
+
+@functools.lru_cache(maxsize=None)
+def _mesh():
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec  # pylint: disable=import-outside-toplevel
+  first = {}
+  for d in sorted(jax.devices(), key=lambda d: d.id):
+    first.setdefault(d.process_index, d)
+  mesh = Mesh(np.array([first[k] for k in sorted(first)]), ('peers',))
+  return mesh, NamedSharding(mesh, PartitionSpec('peers')), first[jax.process_index()]
+
+
+@functools.lru_cache(maxsize=64)
+def _permute(perm: tuple[tuple[int, int], ...]):
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import PartitionSpec  # pylint: disable=import-outside-toplevel
+  mesh = _mesh()[0]
+  spec = PartitionSpec('peers')
+  return jax.jit(
+      jax.shard_map(
+          lambda x: jax.lax.ppermute(x, 'peers', perm), mesh=mesh, in_specs=spec, out_specs=spec))
+
+
+def _move(perm, buf: np.ndarray) -> np.ndarray:
+  """One window: this process's `buf` to the process `perm` sends it to; what it receives."""
+  import jax  # pylint: disable=import-outside-toplevel
+  mesh, sharding, mine = _mesh()
+  local = jax.device_put(buf, mine)
+  x = jax.make_array_from_single_device_arrays((mesh.size * len(buf),), sharding, [local])
+  return np.asarray(_permute(perm)(x).addressable_shards[0].data)
+
+
+def _round(perm, size: int, source: tuple[Path, int] | None,
+           into: tuple[Path, Mapping[str, Any]] | None) -> None:
+  """One round's windows: this process sends `source` (path, size), receives `into` (path,
+  manifest entry), either, both or neither; `size` is the round's largest file."""
+  count = -(-size // WINDOW)
+  zeros = np.zeros(WINDOW, np.uint8)
+  tmp = None if into is None else into[0].with_name(into[0].name + '.peer-tmp')
+  crc, wrote, fin, fout = [0], [0], None, None
+
+  def read(i: int) -> np.ndarray:
+    buf = np.zeros(WINDOW, np.uint8)
+    want = max(0, min(WINDOW, source[1] - i * WINDOW))
+    if want and fin.readinto(memoryview(buf)[:want]) != want:
+      raise CheckpointError('E-CKPT-012', f'{source[0]} ends early', 'restart the job')
+    return buf
+
+  def write(i: int, data: np.ndarray) -> None:
+    n = max(0, min(WINDOW, into[1]['size'] - i * WINDOW))
+    view = memoryview(data)[:n]
+    os.pwrite(fout, view, i * WINDOW)
+    crc[0], wrote[0] = crc32(view, crc[0]), wrote[0] + n
+
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-send') as reader, \
+      concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-receive') as writer:
+    try:
+      fin = open(source[0], 'rb') if source is not None else None  # pylint: disable=consider-using-with
+      fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if tmp else None
+      ahead = reader.submit(read, 0) if fin is not None else None
+      writes = collections.deque()  # at most two windows waiting for the disk
+      for i in range(count):
+        buf = ahead.result() if ahead is not None else zeros
+        ahead = reader.submit(read, i + 1) if fin is not None and i + 1 < count else None
+        got = _move(perm, buf)
+        if fout is not None:
+          writes.append(writer.submit(write, i, got))
+          while len(writes) > 2:
+            writes.popleft().result()
+      for w in writes:
+        w.result()
+      if fout is not None:
+        os.fsync(fout)
+    except BaseException:
+      if tmp is not None:
+        tmp.unlink(missing_ok=True)
+      raise
+    finally:
+      if fin is not None:
+        fin.close()
+      if fout is not None:
+        os.close(fout)
+  if into is None:
+    return
+  path, want = into
+  if f'{crc[0]:08x}' != want['crc32'] or wrote[0] != want['size']:
+    os.unlink(tmp)
+    raise CheckpointError(
+        'E-CKPT-003', f'{path}: the part received does not match its manifest (crc32 '
+        f'{crc[0]:08x}, manifest says {want["crc32"]})', 'restart the job: it is read again')
+  os.replace(tmp, path)
+
+
+__all__ = ['WINDOW', 'carry', 'rounds']
