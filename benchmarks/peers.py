@@ -1,33 +1,55 @@
-"""A lost host's restore from its peers (replicas=1) against a download from the remote tier.
+"""A lost host's restore from its peers (replicas=1) against restores from the remote tier.
 
     python -m benchmarks.peers [--params=120.8e6] [--processes=2] [--repeats=1]
 
 `--processes` real jax.distributed processes (one CPU device each, gloo collectives) share an
-andrea_120m-shaped adamw state (`benchmarks.common.synthetic_state(120.8e6, 449)`: 1.46 GB of
+andrea_120m-shaped adamw state (`benchmarks.common.synthetic_state(120.8e6, 449)`: 1.45 GB of
 float32; `--params=12e6` for a quick run) on a 1-D mesh ('data',): leaves whose leading dimension
-divides by the process count are split over 'data', the others replicated. Each process has its
-own directory, ROOT/host{k}/ckpt, standing for its host's own disk; a moto S3 server (in this
-process, on loopback) is the remote tier.
+divides by the process count are split over 'data', the others replicated. Each process writes
+its own state file, and the replicated leaves are in process 0's, so every process's restore
+reads from every part. Each process has its own directory, ROOT/host{k}, standing for its host's
+own disk; a moto S3 server (in this process, on loopback) is the remote tier.
 
-1. save: every process saves step 1 with `CheckpointOptions(replicas=1)` (its own part, plus a
-   replica of process k-1's part); this process then assembles one complete copy (host0's step
-   directory and each other process's own part from its host) and uploads it with
-   `objects.upload`, as the hosts' uploaders would have.
-2. peer: host1's directory is wiped (a replacement VM); every process runs
-   `peers.restore_dir(..., remote=None)` (host1's step directory is brought back from the peers
-   over a JAX collective: `multihost_utils.broadcast_one_to_all` in 32 MiB windows), then
+1. save: every process saves step 1 to ROOT/host{k}/ckpt with `CheckpointOptions(replicas=1)`
+   (its own part, plus a replica of process k-1's part); this process then assembles one
+   complete copy (host0's step directory and each other process's own part from its host) and
+   uploads it with `objects.upload`, as the hosts' uploaders would have.
+
+Then, in each repeat, these phases in turn, each after host1's directory is wiped (a
+replacement VM):
+
+2. peer (`--replicas=1`): every process runs `peers.restore_dir(..., remote=None)`: host1's step
+   directory is brought back from the peers (`sends`: rounds of `jax.lax.ppermute` in a
+   shard_map, 32 MiB windows, disk reads and writes overlapped with the collective), then
    `CheckpointManager.restore` and `jax.block_until_ready`.
-3. remote: host1's directory is wiped again; process 1 downloads the checkpoint whole
-   (`objects.download`) and restores from it; the others restore from their own disks.
+3. remote, every host downloads (`--replicas=0`): what a job without replicas does. A host then
+   holds only its own part and a data-parallel restore needs every part, so every process
+   downloads the whole checkpoint (`objects.download`, all of them at once from the one server)
+   into ROOT/host{k}/remote, which holds nothing of it, and restores from there. The headline.
+4. remote, the lost host alone: process 1 alone downloads the checkpoint whole and restores from
+   it; the others restore from the step directories on their own disks, which hold every part
+   (with 3 processes, thanks to the peer phase before). A reference row: what a remote restore
+   could be at best.
 
-Each restore phase starts on every process together (a barrier after jax.distributed is up);
-the time reported is the lost host's (process 1's), from the start of its restore until the
-state is on its devices; every shard is then checked against the CRC-32 the save recorded.
-The page cache is not evicted: both phases read files just written. The server is Python on
-this machine's cores (no network in between): its speed says nothing of a real bucket's, and the
-collective is gloo over loopback, not a real interconnect.
+Every phase starts on every process together (a barrier after jax.distributed is up). Two
+times are reported: `lost_s`, the lost host's (process 1's), and `job_s`, the job's (the largest
+over the processes), each from that barrier until the state is on the process's devices: the job
+takes its first step only once its slowest process has restored. `move_s`/`restore_s` split the
+lost host's time into bringing the files to its disk (`restore_dir` or `download`) and
+`CheckpointManager.restore`; in the peer phase, `check_s` is the CRC check of the parts each
+process already holds (`peers._intact`, the largest over the processes) and `permute_s` the lost
+host's time in the collective calls (`sends._move`: device_put, the ppermute, the copy out; the
+benchmark wraps both to time them). Every shard restored is checked against the CRC-32 the save
+recorded. `job_ratio` is a remote row's `job_s` over the peer's, `lost_ratio` the same of
+`lost_s`; the target is on the headline's `job_ratio`.
 
-Target: remote_s / peer_s >= 5. Prints a table, writes benchmarks/results/peers.json.
+What the numbers do not say: both tiers are loopback on this machine. The server is Python on
+the same cores as the workers (no network in between), and in phase 3 the processes' downloads
+share it: its speed says nothing of a real bucket's, where each host has its own network. The
+collective is gloo over loopback TCP, not a real interconnect (NCCL, ICI). The page cache is not
+evicted: every phase reads files just written.
+
+Target: remote job_s / peer job_s >= 5. Prints a table, writes benchmarks/results/peers.json.
 """
 
 import argparse
@@ -49,9 +71,16 @@ REPO = Path(__file__).resolve().parent.parent
 BUCKET = 'bench-peers'
 LOST = 1  # the process whose host is lost
 TARGET = 5.0
+PHASES = {  # mode: the row's label
+    'peer': 'peer (--replicas=1)',
+    'remote': 'remote, every host downloads (--replicas=0)',
+    'remote_lost': 'remote, the lost host alone',
+}
+HEADLINE = 'remote'
 COLUMNS = [
-    'phase', 'processes', 'state_bytes', 'seconds', 'move_s', 'restore_s', 'own_bytes',
-    'peers_bytes', 'remote_bytes', 'others_s', 'ratio', 'target', 'met'
+    'phase', 'processes', 'state_bytes', 'lost_s', 'job_s', 'move_s', 'restore_s', 'check_s',
+    'permute_s', 'own_bytes', 'peers_bytes', 'remote_bytes', 'job_remote_bytes', 'job_ratio',
+    'lost_ratio', 'target', 'met'
 ]
 
 
@@ -63,10 +92,25 @@ def _crc(x) -> str:
   return f'{zlib.crc32(memoryview(np.ascontiguousarray(x)).cast("B")):08x}'
 
 
+def _timed(module, name: str, spent: list) -> None:
+  """Wraps `module.name` to add its seconds to spent[0] and its calls to spent[1]."""
+  fn = getattr(module, name)
+
+  def wrapped(*a, **kw):
+    t = time.perf_counter()
+    try:
+      return fn(*a, **kw)
+    finally:
+      spent[0] += time.perf_counter() - t
+      spent[1] += 1
+
+  setattr(module, name, wrapped)
+
+
 def worker(mode: str, process: int, count: int, coordinator: str, root: str, params: float,
            leaves: int, url: str, timeout: float) -> None:
-  """`save` (step 1 with replicas=1; the state's spec and this process's shard CRCs to ROOT),
-  `peer` or `remote` (one restore of the lost host, timed; prints RESULT {json})."""
+  """`save` (step 1 with replicas=1; the state's spec and this process's shard CRCs to ROOT), or
+  one restore in a phase of PHASES, timed (prints RESULT {json})."""
   import jax
   jax.config.update('jax_num_cpu_devices', 1)
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
@@ -75,7 +119,7 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
   from jax.sharding import PartitionSpec as P
 
   from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, layout, manifest, multihost
-  from jaxckpt.checkpoint import peers
+  from jaxckpt.checkpoint import peers, sends
   from jaxckpt.checkpoint.remote import Store, objects
   from jaxckpt.checkpoint.tree import named_leaves
   root_dir = Path(root)
@@ -111,6 +155,10 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
       n: jax.ShapeDtypeStruct(tuple(s), np.dtype(d), sharding=sharding(tuple(s)))
       for n, (s, d) in spec.items()
   }
+  check, permute = [0.0, 0], [0.0, 0]
+  if mode == 'peer':
+    _timed(peers, '_intact', check)
+    _timed(sends, '_move', permute)
   multihost.client().wait_at_barrier(f'bench/peers/{mode}', int(timeout * 1000))
   start = time.perf_counter()
   step_dir = directory / layout.step_dirname(1)
@@ -119,8 +167,9 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
     if got is None:
       raise SystemExit(f'process {process}: the peers hold no whole checkpoint')
     step_dir, sources = got.path, got.sources
-  elif process == LOST:
-    step_dir, _ = objects.download(Store(url), 1, directory)
+  elif mode == 'remote' or process == LOST:
+    into = root_dir / f'host{process}' / ('remote' if mode == 'remote' else 'ckpt')
+    step_dir, _ = objects.download(Store(url), 1, into)
     fetched = sum(p.stat().st_size for p in step_dir.rglob('*') if p.is_file())
     sources = {'own': 0, 'peers': 0, 'remote': fetched}
   else:  # a host that kept its disk reads the files its devices need from it
@@ -128,7 +177,7 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
     need = multihost.needed_files(m, named_leaves(target), count)[process]
     sources = {'own': sum(m['files'][r]['size'] for r in need), 'peers': 0, 'remote': 0}
   moved = time.perf_counter()
-  mgr = CheckpointManager(directory, CheckpointOptions(barrier_timeout_secs=timeout))
+  mgr = CheckpointManager(step_dir.parent, CheckpointOptions(barrier_timeout_secs=timeout))
   state, _ = mgr.restore(step_dir, target)
   jax.block_until_ready(state)
   done = time.perf_counter()
@@ -137,10 +186,10 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
   bad = [n for n, x in state.items() if _crc(x.addressable_shards[0].data) != want[n]]
   if bad:
     raise SystemExit(f'process {process}: {len(bad)} leaves restored wrong, e.g. {bad[:3]}')
-  print(
-      'RESULT ' + json.dumps(
-          {'seconds': done - start, 'move_s': moved - start, 'restore_s': done - moved, **sources}),
-      flush=True)
+  result = {'seconds': done - start, 'move_s': moved - start, 'restore_s': done - moved, **sources}
+  if mode == 'peer':
+    result.update(check_s=check[0], permute_s=permute[0], windows=permute[1])
+  print('RESULT ' + json.dumps(result), flush=True)
 
 
 def run_workers(mode: str, args, root: Path, url: str) -> list[dict]:
@@ -204,17 +253,25 @@ def upload_whole(root: Path, count: int, url: str) -> int:
   return nbytes
 
 
-def _row(phase: str, results: list[dict], count: int, state_bytes: int) -> dict:
-  """The lost host's figures of one phase (medians over the repeats)."""
+def _row(mode: str, results: list[list[dict]], count: int, state_bytes: int) -> dict:
+  """One phase's figures, medians over the repeats: the lost host's, and the job's (the
+  slowest process's) seconds."""
   lost = [r[LOST] for r in results]
-  others = [max(x['seconds'] for k, x in enumerate(r) if k != LOST) for r in results]
+  job = [max(x['seconds'] for x in r) for r in results]
   med = lambda key: statistics.median(x[key] for x in lost)  # noqa: E731
-  return {
-      'phase': phase, 'processes': count, 'state_bytes': state_bytes, 'seconds': med('seconds'),
-      'move_s': med('move_s'), 'restore_s': med('restore_s'), 'own_bytes': lost[0]['own'],
-      'peers_bytes': lost[0]['peers'], 'remote_bytes': lost[0]['remote'],
-      'others_s': statistics.median(others), 'all_seconds': [x['seconds'] for x in lost]
+  row = {
+      'phase': PHASES[mode], 'processes': count, 'state_bytes': state_bytes,
+      'lost_s': med('seconds'), 'job_s': statistics.median(job), 'move_s': med('move_s'),
+      'restore_s': med('restore_s'), 'own_bytes': lost[0]['own'], 'peers_bytes': lost[0]['peers'],
+      'remote_bytes': lost[0]['remote'], 'job_remote_bytes': sum(x['remote'] for x in results[0]),
+      'all_lost_s': [x['seconds'] for x in lost], 'all_job_s': job
   }
+  if mode == 'peer':
+    row.update(
+        check_s=statistics.median(max(x['check_s'] for x in r) for r in results),
+        permute_s=med('permute_s'),
+        windows=lost[0]['windows'])
+  return row
 
 
 def main(argv=None) -> None:
@@ -222,7 +279,7 @@ def main(argv=None) -> None:
   ap.add_argument('--params', type=float, default=120.8e6, help='model parameters (x3: adamw)')
   ap.add_argument('--leaves', type=int, default=449)
   ap.add_argument('--processes', type=int, default=2, choices=(2, 3))
-  ap.add_argument('--repeats', type=int, default=1, help='peer and remote restores, alternating')
+  ap.add_argument('--repeats', type=int, default=1, help='rounds of the three restore phases')
   ap.add_argument('--timeout', type=float, default=900, help='seconds any wait of a worker takes')
   ap.add_argument(
       '--scratch', default=tempfile.gettempdir(), help='where the disks of the hosts are')
@@ -230,7 +287,7 @@ def main(argv=None) -> None:
   from moto.server import ThreadedMotoServer
 
   from benchmarks.common import print_table, write_results
-  from jaxckpt.checkpoint import peers
+  from jaxckpt.checkpoint import sends
   port = _free_port()
   os.environ.update(
       AWS_ENDPOINT_URL=f'http://127.0.0.1:{port}',
@@ -246,7 +303,7 @@ def main(argv=None) -> None:
   root = Path(tempfile.mkdtemp(prefix='jaxckpt-peers-bench-', dir=args.scratch))
   load_before = os.getloadavg()[0]
   started = time.perf_counter()
-  runs = {'peer': [], 'remote': []}
+  runs = {mode: [] for mode in PHASES}
   try:
     saved = run_workers('save', args, root, url)
     print(f'saved: {[round(r["save_s"], 2) for r in saved]} s', file=sys.stderr, flush=True)
@@ -255,25 +312,33 @@ def main(argv=None) -> None:
     upload_s = time.perf_counter() - t
     print(f'uploaded {state_bytes / 1e9:.2f} GB in {upload_s:.1f} s', file=sys.stderr, flush=True)
     for _ in range(args.repeats):
-      for phase in ('peer', 'remote'):
+      for mode in PHASES:
         shutil.rmtree(root / f'host{LOST}')  # a replacement VM: nothing of its own
-        runs[phase].append(run_workers(phase, args, root, url))
-        print(f'{phase}: {json.dumps(runs[phase][-1])}', file=sys.stderr, flush=True)
+        runs[mode].append(run_workers(mode, args, root, url))
+        for k in range(args.processes):  # the downloads of a job without replicas go with it
+          shutil.rmtree(root / f'host{k}' / 'remote', ignore_errors=True)
+        print(f'{mode}: {json.dumps(runs[mode][-1])}', file=sys.stderr, flush=True)
   finally:
     server.stop()
     shutil.rmtree(root, ignore_errors=True)
-  rows = [_row(phase, runs[phase], args.processes, state_bytes) for phase in ('peer', 'remote')]
-  ratio = rows[1]['seconds'] / rows[0]['seconds']
-  rows[0].update(ratio=ratio, target=TARGET, met=ratio >= TARGET)
-  print(f'{state_bytes / 1e9:.2f} GB state on {args.processes} processes; seconds: process '
-        f'{LOST} (the lost host) from the start of its restore to the state on its devices '
-        f'(median of {args.repeats}); ratio: remote seconds / peer seconds')
+  rows = [_row(mode, runs[mode], args.processes, state_bytes) for mode in PHASES]
+  peer = rows[0]
+  for row in rows[1:]:
+    row.update(job_ratio=row['job_s'] / peer['job_s'], lost_ratio=row['lost_s'] / peer['lost_s'])
+  head = rows[list(PHASES).index(HEADLINE)]
+  ratio = head['job_ratio']
+  head.update(target=TARGET, met=ratio >= TARGET)
+  print(f'{state_bytes / 1e9:.2f} GB state on {args.processes} processes; from the common start '
+        f'to the state on the devices (median of {args.repeats}): lost_s of process {LOST} (the '
+        f'lost host), job_s of the slowest process; job_ratio, lost_ratio: a row over '
+        f'the peer row; both tiers are loopback on this machine')
   print_table(rows, COLUMNS)
   path = write_results(
       'peers', rows, {
           'params': args.params, 'leaves': args.leaves, 'processes': args.processes, 'repeats':
-              args.repeats, 'window_bytes': peers.WINDOW, 'save_s': [r['save_s'] for r in saved],
-          'upload_s': upload_s, 'runs': runs, 'ratio': ratio, 'target': f'>= {TARGET}',
+              args.repeats, 'window_bytes': sends.WINDOW, 'save_s': [r['save_s'] for r in saved],
+          'upload_s': upload_s, 'runs': runs, 'headline': PHASES[HEADLINE], 'ratio':
+              ratio, 'lost_ratio': head['lost_ratio'], 'target': f'job_ratio >= {TARGET}',
           'met': ratio >= TARGET, 'wall_s': time.perf_counter() - started, 'load_before':
               load_before, 'load_after': os.getloadavg()[0]
       })
