@@ -5,7 +5,7 @@ import signal
 import numpy as np
 from conftest import committed_steps, events_of, losses, wait_for
 
-STEPS = 200
+STEPS = 100
 FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=10', '--keep=0',
          '--config.train.log_every=10')
 MESH = {

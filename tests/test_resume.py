@@ -35,11 +35,11 @@ def straight(trainer, tmp_path_factory):
 
 
 @pytest.mark.parametrize('devices, stop', [
-    (1, signal.SIGKILL),
+    pytest.param(1, signal.SIGKILL, marks=pytest.mark.slow),  # tests/test_chaos.py's, 4 times
     pytest.param(8, signal.SIGKILL, marks=pytest.mark.slow),
     pytest.param(1, signal.SIGTERM, marks=pytest.mark.slow),
     (8, signal.SIGTERM),
-])  # the other two pairs: `-m slow`
+])  # the other three pairs: `-m slow`
 def test_stopped_run_continued_by_the_same_command_is_bit_exact(trainer, straight, tmp_path,
                                                                 devices, stop):
   proc = trainer.start(tmp_path, *RUN_FLAGS, *MESHES[devices], devices=devices)

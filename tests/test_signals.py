@@ -22,12 +22,12 @@ def training_has_begun(workdir):
   return lambda: (workdir / 'loss.jsonl').exists() and (workdir / 'loss.jsonl').stat().st_size
 
 
-def assert_stopped_cleanly(workdir, proc, out, signum):
+def assert_stopped_cleanly(workdir, proc, out, signum, steps=STEPS):
   name = signal.Signals(signum).name
   assert proc.returncode == 128 + signum, out
   st = read_status(workdir)
   step = st['step']
-  assert st['state'] == 'interrupted' and 0 < step < STEPS
+  assert st['state'] == 'interrupted' and 0 < step < steps
   assert max(committed_steps(workdir)) == step  # the interrupted step itself is on disk
   assert max(read_loss_history(workdir)) == step
   assert f'jaxckpt: interrupted by {name} at step {step}' in out
@@ -35,12 +35,12 @@ def assert_stopped_cleanly(workdir, proc, out, signum):
   return step
 
 
-def assert_same_command_finishes(trainer, workdir, step, *flags):
+def assert_same_command_finishes(trainer, workdir, step, *flags, steps=STEPS):
   again = trainer.train(workdir, *(flags or FLAGS))
   assert again.returncode == 0, again.stderr
   assert [e['step'] for e in events_of(workdir, 'resumed')][-1] == step
   assert read_status(workdir)['state'] == 'finished'
-  assert sorted(read_loss_history(workdir)) == list(range(1, STEPS + 1))
+  assert sorted(read_loss_history(workdir)) == list(range(1, steps + 1))
 
 
 # One handler serves the three: SIGINT's and SIGHUP's runs are in the slow set (`-m slow`).
@@ -59,14 +59,15 @@ def test_stop_signal_checkpoints_the_current_step_and_exits_128_plus_n(trainer, 
 
 
 def test_sigterm_while_background_saves_run(trainer, tmp_path):
-  flags = (*FLAGS[:1], '--checkpoint_every=1', '--checkpoint_mode=async', '--keep=2',
-           '--config.train.log_every=5')
+  steps = 80  # a checkpoint at every step: the continued run commits each of them
+  flags = (f'--config.train.steps={steps}', '--checkpoint_every=1', '--checkpoint_mode=async',
+           '--keep=2', '--config.train.log_every=5')
   proc = trainer.start(tmp_path, *flags)
   wait_for(lambda: len(committed_steps(tmp_path)) >= 2, proc)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
-  step = assert_stopped_cleanly(tmp_path, proc, out, signal.SIGTERM)
-  assert_same_command_finishes(trainer, tmp_path, step, *flags)
+  step = assert_stopped_cleanly(tmp_path, proc, out, signal.SIGTERM, steps)
+  assert_same_command_finishes(trainer, tmp_path, step, *flags, steps=steps)
 
 
 def test_sigterm_and_sighup_together_still_checkpoint(trainer, tmp_path):
