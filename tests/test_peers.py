@@ -62,7 +62,12 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   if rest:  # the remote tier: its newest intact checkpoint, `rest[1]`
     from jaxckpt.checkpoint.remote import Store, partial
     remote = partial.peer_source(Store(rest[0]), int(rest[1]), inspect=process == 0)
-  got = peers.restore_dir(directory, target, multihost.Group(60), remote)
+  from jaxckpt.checkpoint import CheckpointError
+  try:
+    got = peers.restore_dir(directory, target, multihost.Group(60), remote)
+  except CheckpointError as e:
+    print(f'ERROR {e}', flush=True)
+    sys.exit(3)
   if got is None:
     print('RESULT null', flush=True)
     return
@@ -74,7 +79,7 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   print('RESULT ' + json.dumps({'step': got.step, **got.sources}), flush=True)
 
 
-def _run(tmp_path, compile_cache, *args) -> list[str]:
+def _run(tmp_path, compile_cache, *args, code: int = 0) -> list[str]:
   procs = start_processes(
       lambda k, coord: [sys.executable, __file__, args[0],
                         str(k), coord,
@@ -82,8 +87,8 @@ def _run(tmp_path, compile_cache, *args) -> list[str]:
       COUNT,
       cache=compile_cache)
   out = []
-  for code, text in finish_processes(procs, timeout=180):
-    assert code == 0, text[-3000:]
+  for got, text in finish_processes(procs, timeout=180):
+    assert got == code, text[-3000:]
     out.append(text)
   return out
 
@@ -117,7 +122,12 @@ def test_a_wiped_host_is_restored_from_its_peers_and_a_damaged_replica_is_passed
   data = bytearray(replica.read_bytes())
   data[-1] ^= 0xFF
   replica.write_bytes(bytes(data))
+  # Process 2's run state of step 10 is damaged too: it is sent process 0's.
+  run_state = tmp_path / 'host2' / 'step_00000010' / 'run_state.json'
+  run_state.write_bytes(run_state.read_bytes().replace(b'10', b'11', 1))
   results = _results(_run(tmp_path, compile_cache, 'restore'))
+  assert run_state.read_bytes() == (tmp_path / 'host0' / 'step_00000010' /
+                                    'run_state.json').read_bytes()
   assert [r['step'] for r in results] == [10] * COUNT
   assert results[1]['own'] == 0 and results[1]['remote'] == 0 and results[1]['peers'] > 0
   assert all(r['remote'] == 0 and r['own'] > 0 for r in results[0::2])
@@ -154,6 +164,31 @@ def test_the_remote_fills_in_the_part_no_peer_holds_each_byte_read_once(
   for k in (1, 2):  # each a committed checkpoint again, its own part byte-identical
     assert (_state(tmp_path, k, 10) / f'process_{k}.safetensors').read_bytes() == \
         (whole / 'state' / f'process_{k}.safetensors').read_bytes()
+
+
+def test_a_host_that_cannot_write_what_it_is_sent_stops_every_process_together(
+    tmp_path, compile_cache):
+  import os
+  import subprocess
+
+  import pytest
+  if os.geteuid() != 0:
+    pytest.skip('mounting a tmpfs needs root')
+  _run(tmp_path, compile_cache, 'save', '10')
+  shutil.rmtree(tmp_path / 'host1')
+  (tmp_path / 'host1').mkdir()
+  # A replacement host whose disk is full after the first part: it fails mid-transfer, yet takes
+  # part in every collective to the end, so no process is left waiting in one.
+  subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=8k', 'tmpfs',
+                  str(tmp_path / 'host1')],
+                 check=True)
+  try:
+    outs = _run(tmp_path, compile_cache, 'restore', code=3)
+  finally:
+    subprocess.run(['umount', '-l', str(tmp_path / 'host1')], check=False)
+  for text in outs:
+    assert 'E-CKPT-016' in text and 'failed on process(es) [1]' in text, text[-2000:]
+    assert 'No space left on device' in text, text[-2000:]
 
 
 if __name__ == '__main__':

@@ -29,7 +29,6 @@ ranges its devices need. The `Group` waits are bounded by its timeout; the colle
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 from pathlib import Path
@@ -48,11 +47,12 @@ META = (layout.RUN_STATE, layout.MANIFEST)  # a checkpoint's own files besides i
 @dataclasses.dataclass
 class Remote:
   """What the remote tier offers a peer restore: its newest intact checkpoint (`step`, with its
-  manifest's `seal`) and `fetch(rels, step_dir)`, which downloads those files of it into
-  `step_dir` (CRC-checked) and returns the bytes read."""
+  manifest's `seal`) and `fetch(step, rels, step_dir, expect)`, which downloads those files of
+  checkpoint `step` into `step_dir` (CRC-checked, each as `expect` says it is: {rel: {size,
+  crc32}}) and returns the bytes read."""
   step: int | None
   seal: str | None
-  fetch: Callable[[list[str], Path], int]
+  fetch: Callable[[int, list[str], Path, Mapping[str, Any]], int]
 
 
 @dataclasses.dataclass
@@ -140,7 +140,8 @@ def _next(ckpt_dir: Path, views: list[dict], remote: Remote | None,
 
 
 def _intact(ckpt_dir: Path, step: int, seal: str) -> list[str]:
-  """The state files of checkpoint (`step`, `seal`) here that match its manifest, CRC included."""
+  """The state files of checkpoint (`step`, `seal`) here that match its manifest, CRC included,
+  and its run state when that does too (a process without it is sent it)."""
   path = ckpt_dir / layout.step_dirname(step)
   try:
     raw = (path / layout.MANIFEST).read_bytes()
@@ -149,7 +150,7 @@ def _intact(ckpt_dir: Path, step: int, seal: str) -> list[str]:
     m = manifest.parse(path, raw)
   except (OSError, CheckpointError):
     return []
-  files = multihost.state_files(m)
+  files = multihost.state_files(m) + [r for r in (layout.RUN_STATE,) if r in m['files']]
   bad = manifest.file_problems(path, {**m, 'files': {r: m['files'][r] for r in files}})
   return [r for r in files if not any(p.startswith(f'{r}:') for p in bad)]
 
@@ -159,6 +160,8 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
   """Process 0: who sends which part to whom ({'step', 'seal', 'files', 'meta_to', 'moves',
   'needs'}); None when a part is held by no process and not by the remote."""
   path = ckpt_dir / layout.step_dirname(step)
+  if layout.RUN_STATE not in intact[0]:
+    return None  # process 0 sends the run state and the manifest: its own must be sound
   raw = (path / layout.MANIFEST).read_bytes()
   m = manifest.parse(path, raw)
   seal = manifest.seal_of(raw)
@@ -180,7 +183,7 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
   return {
       'step': step, 'seal': seal, 'files': files, 'meta': meta, 'moves': moves,
       'needs': [sorted(n) for n in needs],
-      'meta_to': [k for k in range(count) if not intact[k] and k != 0]
+      'meta_to': [k for k in range(count) if layout.RUN_STATE not in intact[k]]
   }
 
 
@@ -195,51 +198,81 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
                remote: Remote | None) -> Restored:
   """Every process, in the same order: the checkpoint's own files to those that lack them, each
   move's part from its source (read from the remote first when it is -1), then the commit of a
-  step directory that was not here."""
+  step directory that was not here. A local failure (a full disk, a store error, a part that
+  arrives damaged) does not take a process out of the collectives: it takes part in all of
+  them, then every process raises E-CKPT-016 together, naming it."""
   me, step = group.index, plan['step']
   final = ckpt_dir / layout.step_dirname(step)
   have = me == 0 or bool(mine) or manifest.seal_of(_read(final / layout.MANIFEST)) == plan['seal']
   work = final if have else layout.temporary_dir(ckpt_dir, step)
   sources = {'own': 0, 'peers': 0, 'remote': 0}
-  needs = set(plan['needs'][me])
-  try:
-    (work / layout.STATE_DIR).mkdir(parents=True, exist_ok=True)
-    raw = b''
-    if plan['meta_to']:
-      for name in META:
-        got = _broadcast(final / name if me == 0 else None, plan['meta'][name], me
-                         in plan['meta_to'])
-        if name == layout.MANIFEST:
-          raw = got or b''
-        elif got is not None:
-          atomic.write_file_durably(work / name, got)
-    pairs = []  # (part, from, to); a part no process holds is read from the remote first
-    for rel, source, receivers in plan['moves']:
-      if source == -1:
-        source = receivers[0]
-        if me == source:
-          sources['remote'] += remote.fetch([rel], work)
-      pairs += [(rel, source, k) for k in receivers if k != source]
-    sources['peers'] = sends.carry(pairs, plan['files'], me,
-                                   lambda rel: layout.safe_member(work, rel))
-    sources['own'] = sum(plan['files'][r]['size'] for r in needs if r in mine)
-    if not have:
-      if manifest.seal_of(raw) != plan['seal']:
-        raise CheckpointError(
-            'E-CKPT-003', f'the manifest of step {step} sent by process 0 does '
-            'not match its seal', 'restart the job')
-      atomic.fsync_dir(work / layout.STATE_DIR)
-      atomic.publish_dir(work, final)
-      atomic.fsync_dir(ckpt_dir)
-      atomic.write_file_durably(final / layout.MANIFEST, raw)  # the commit, last
-    else:
-      atomic.fsync_dir(final / layout.STATE_DIR)
-  except BaseException:
+  problems: list[str] = []
+
+  def local(fn: Callable[[], Any]) -> Any:
+    if problems:
+      return None
+    try:
+      return fn()
+    except Exception as e:  # noqa: BLE001 - said to every process below, then raised
+      problems.append(f'{type(e).__name__}: {" ".join(str(e).split())[:300]}')
+      return None
+
+  local(lambda: (work / layout.STATE_DIR).mkdir(parents=True, exist_ok=True))
+  raw = b''
+  for name in META if plan['meta_to'] else ():
+    got, problem = _broadcast(final / name if me == 0 else None, plan['meta'][name], me
+                              in plan['meta_to'])
+    problems += [problem] if problem else []
+    if name == layout.MANIFEST:
+      raw = got or b''
+    elif got is not None:
+      local(lambda got=got: atomic.write_file_durably(work / layout.RUN_STATE, got))
+  pairs = []  # (part, from, to); a part no process holds is read from the remote first
+  for rel, source, receivers in plan['moves']:
+    if source == -1:
+      source = receivers[0]
+      if me == source:
+        sources['remote'] += local(
+            lambda rel=rel: remote.fetch(step, [rel], work, plan['files'])) or 0
+    pairs += [(rel, source, k) for k in receivers if k != source]
+  got, problem = sends.carry(pairs, plan['files'], me, lambda rel: layout.safe_member(work, rel))
+  sources['peers'] = got
+  problems += [problem] if problem else []
+  sources['own'] = sum(plan['files'][r]['size'] for r in plan['needs'][me] if r in mine)
+  if not have:
+    local(lambda: _commit(work, final, raw, plan['seal'], step))
+  else:
+    local(lambda: atomic.fsync_dir(final / layout.STATE_DIR))
+  said = group.sync(f'peers/done/{step}', f'a restore of step {step} from the peers',
+                    problems[0] if problems else '')
+  failed = [(k, p) for k, p in enumerate(said) if p]
+  if failed:
     if not have:
       import shutil  # pylint: disable=import-outside-toplevel
       shutil.rmtree(work, ignore_errors=True)
-    raise
+    raise CheckpointError(
+        'E-CKPT-016', f'the restore of step {step} from the peers failed on process(es) '
+        f'{[k for k, _ in failed]}: {failed[0][1]}', 'fix that host (its disk, its access to '
+        'the remote) and restart the job: each part is checked again')
   return Restored(final, step, sources)
+
+
+def _commit(work: Path, final: Path, raw: bytes, seal: str, step: int) -> None:
+  """A step directory built here (`work`) committed as `final`, its manifest (`raw`) last; where
+  `final` is another commit of the step, swapped with it in one exchange, manifest included."""
+  if manifest.seal_of(raw) != seal:
+    raise CheckpointError(
+        'E-CKPT-003', f'the manifest of step {step} sent by process 0 does not '
+        'match its seal', 'restart the job')
+  atomic.fsync_dir(work / layout.STATE_DIR)
+  if final.exists():
+    atomic.write_file_durably(work / layout.MANIFEST, raw)
+    atomic.publish_dir(work, final)
+    atomic.fsync_dir(final.parent)
+    return
+  atomic.publish_dir(work, final)
+  atomic.fsync_dir(final.parent)
+  atomic.write_file_durably(final / layout.MANIFEST, raw)  # the commit, last
 
 
 def _read(path: Path) -> bytes:
@@ -249,27 +282,30 @@ def _read(path: Path) -> bytes:
     return b''
 
 
-def _broadcast(source: Path | None, size: int, receive: bool) -> bytes | None:
+def _broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | None, str | None]:
   """A small file from the process that reads it from `source` to every process (a JAX
-  collective, in windows); a receiver gets its bytes. Every process calls it with the same
-  `size`."""
+  collective, in windows): (its bytes for a receiver, else None; this process's problem or
+  None). A source that cannot read sends zeros to the end (the others' CRC checks fail) and says
+  why. Every process calls it with the same `size`."""
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   window = SMALL if size <= SMALL else sends.WINDOW
-  got = []
-  with open(source, 'rb') if source is not None else _nothing() as fin:
+  got, problem = [], None
+  try:
+    fin = open(source, 'rb') if source is not None else None  # pylint: disable=consider-using-with
+  except OSError as e:
+    fin, problem = None, f'{source}: {e.strerror or e}'
+  try:
     for lo in range(0, size, window):
       n = min(window, size - lo)
       buf = np.zeros(window, np.uint8)
-      if fin is not None and fin.readinto(memoryview(buf)[:n]) != n:
-        raise CheckpointError('E-CKPT-012', f'{source} ends early', 'restart the job')
-      out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=fin is not None))
+      if fin is not None and problem is None and fin.readinto(memoryview(buf)[:n]) != n:
+        problem = f'{source} ends early'
+      out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=source is not None))
       got.append(out[:n].tobytes())
-  return b''.join(got) if receive else None
-
-
-@contextlib.contextmanager
-def _nothing():
-  yield None
+  finally:
+    if fin is not None:
+      fin.close()
+  return (b''.join(got) if receive else None), problem
 
 
 __all__ = ['META', 'Remote', 'Restored', 'held', 'restore_dir']

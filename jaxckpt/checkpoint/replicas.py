@@ -2,9 +2,10 @@
 
 With `CheckpointOptions(replicas=R)`, process k keeps, beside its own part of every checkpoint
 (`state/process_k.safetensors`), the parts of the R processes before it on a ring over the
-processes (k-1, ..., k-R, modulo the count), under their own names. One process per host is the
-own-disk mode's rule (`multihost.Group.open`), so a replica is always on another host, and a host
-lost with its disk leaves each of its parts on R others.
+processes (k-1, ..., k-R, modulo the count), under their own names. With one process per host
+(the own-disk mode's rule; `multihost.Group.open` checks that no two processes share the
+directory, not that two directories are on two machines) a replica is on another host, and a
+host lost with its disk leaves each of its parts on R others.
 
 The bytes move over the job's interconnect as JAX moves arrays: at `save`, each array is put on
 the sharding whose devices are those of the same mesh shifted by r processes

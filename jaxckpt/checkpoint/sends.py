@@ -46,20 +46,23 @@ def rounds(pairs: list[Pair]) -> list[list[Pair]]:
 
 
 def carry(pairs: list[Pair], files: Mapping[str, Mapping[str, Any]], me: int,
-          path_of: Callable[[str], Path]) -> int:
+          path_of: Callable[[str], Path]) -> tuple[int, str | None]:
   """Every process, with the same `pairs`: sends the files it is the sender of (read at
-  `path_of(file)`), receives the ones it is the receiver of (written there); returns the bytes
-  this process received. `files` gives each file's size and CRC-32."""
-  received = 0
+  `path_of(file)`), receives the ones it is the receiver of (written there). Returns (the bytes
+  this process received intact, its first problem or None). A process whose read or write
+  fails goes on taking part in every window of every round (sending zeros), so that no other
+  process is left waiting in a collective; the caller says the problem to all."""
+  received, problem = 0, None
   for round_ in rounds(pairs):
     out = [rel for rel, src, _ in round_ if src == me]
     into = [rel for rel, _, dst in round_ if dst == me]
     size = max(files[rel]['size'] for rel, _, _ in round_)
     perm = tuple(sorted((src, dst) for _, src, dst in round_))
-    _round(perm, size, (path_of(out[0]), files[out[0]]['size']) if out else None,
-           (path_of(into[0]), files[into[0]]) if into else None)
-    received += files[into[0]]['size'] if into else 0
-  return received
+    failed = _round(perm, size, (path_of(out[0]), files[out[0]]['size']) if out else None,
+                    (path_of(into[0]), files[into[0]]) if into else None)
+    problem = problem or failed
+    received += files[into[0]]['size'] if into and not failed else 0
+  return received, problem
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,13 +97,15 @@ def _move(perm, buf: np.ndarray) -> np.ndarray:
 
 
 def _round(perm, size: int, source: tuple[Path, int] | None,
-           into: tuple[Path, Mapping[str, Any]] | None) -> None:
+           into: tuple[Path, Mapping[str, Any]] | None) -> str | None:
   """One round's windows: this process sends `source` (path, size), receives `into` (path,
-  manifest entry), either, both or neither; `size` is the round's largest file."""
+  manifest entry), either, both or neither; `size` is the round's largest file. Returns this
+  process's problem (None: what it received is in place, checked); it never leaves early."""
   count = -(-size // WINDOW)
   zeros = np.zeros(WINDOW, np.uint8)
   tmp = None if into is None else into[0].with_name(into[0].name + '.peer-tmp')
-  crc, wrote, fin, fout = [0], [0], None, None
+  crc, wrote, problems = [0], [0], []
+  fin = fout = None
 
   def read(i: int) -> np.ndarray:
     buf = np.zeros(WINDOW, np.uint8)
@@ -115,43 +120,54 @@ def _round(perm, size: int, source: tuple[Path, int] | None,
     os.pwrite(fout, view, i * WINDOW)
     crc[0], wrote[0] = crc32(view, crc[0]), wrote[0] + n
 
+  def said(f) -> Any:  # a task's result, or None with its error kept
+    try:
+      return f.result()
+    except Exception as e:  # noqa: BLE001 - returned to the caller, said to every process
+      problems.append(f'{type(e).__name__}: {e}')
+      return None
+
+  try:
+    fin = open(source[0], 'rb') if source is not None else None  # pylint: disable=consider-using-with
+    fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if tmp else None
+  except OSError as e:
+    problems.append(f'{e.filename}: {e.strerror or e}')
   with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-send') as reader, \
       concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-receive') as writer:
-    try:
-      fin = open(source[0], 'rb') if source is not None else None  # pylint: disable=consider-using-with
-      fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if tmp else None
-      ahead = reader.submit(read, 0) if fin is not None else None
-      writes = collections.deque()  # at most two windows waiting for the disk
-      for i in range(count):
-        buf = ahead.result() if ahead is not None else zeros
-        ahead = reader.submit(read, i + 1) if fin is not None and i + 1 < count else None
-        got = _move(perm, buf)
-        if fout is not None:
-          writes.append(writer.submit(write, i, got))
-          while len(writes) > 2:
-            writes.popleft().result()
-      for w in writes:
-        w.result()
-      if fout is not None:
+    sending = fin is not None and not problems
+    ahead = reader.submit(read, 0) if sending else None
+    writes = collections.deque()  # at most two windows waiting for the disk
+    for i in range(count):
+      buf = (said(ahead) if ahead is not None else None)
+      buf = zeros if buf is None or problems else buf
+      ahead = reader.submit(read, i + 1) if sending and not problems and i + 1 < count else None
+      got = _move(perm, buf)  # every window, whatever failed here: the others wait for it
+      if fout is not None and not problems:
+        writes.append(writer.submit(write, i, got))
+        while len(writes) > 2:
+          said(writes.popleft())
+    for w in writes:
+      said(w)
+  try:
+    if fout is not None:
+      if not problems:
         os.fsync(fout)
-    except BaseException:
-      if tmp is not None:
-        tmp.unlink(missing_ok=True)
-      raise
-    finally:
-      if fin is not None:
-        fin.close()
-      if fout is not None:
-        os.close(fout)
-  if into is None:
-    return
+      os.close(fout)
+    if fin is not None:
+      fin.close()
+  except OSError as e:
+    problems.append(f'{e.filename}: {e.strerror or e}')
+  if into is None or problems:
+    if tmp is not None:
+      tmp.unlink(missing_ok=True)
+    return problems[0] if problems else None
   path, want = into
   if f'{crc[0]:08x}' != want['crc32'] or wrote[0] != want['size']:
-    os.unlink(tmp)
-    raise CheckpointError(
-        'E-CKPT-003', f'{path}: the part received does not match its manifest (crc32 '
-        f'{crc[0]:08x}, manifest says {want["crc32"]})', 'restart the job: it is read again')
+    tmp.unlink(missing_ok=True)
+    return (f'{path}: the part received does not match its manifest (crc32 {crc[0]:08x}, '
+            f'manifest says {want["crc32"]})')
   os.replace(tmp, path)
+  return None
 
 
 __all__ = ['WINDOW', 'carry', 'rounds']

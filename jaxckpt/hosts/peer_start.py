@@ -61,8 +61,8 @@ def resume_point(run, ckpt_dir: Path, target: Any, timeout_secs: float) -> Path 
   # Process 0 decides what the remote holds; any process may be the one to read a part of it.
   remote = partial.peer_source(run.store, run.start_step, inspect=run.leader)
   got = peers.restore_dir(ckpt_dir, target, group, remote)
-  if got is None:  # nothing newer than the remote between the peers: its newest, whole
-    run.sync_down(ckpt_dir, fetch=True)
+  if got is None:  # nothing newer than the remote between the peers: its newest, whole, on
+    run.sync_down(ckpt_dir, fetch=True, local_too=False)  # every host (they hold different ones)
     return run.resume_point(ckpt_dir)
   seconds = round(time.monotonic() - t0, 3)
   every = group.collect('peers/sources', 'a restore from the peers', json.dumps(got.sources))

@@ -239,10 +239,15 @@ class RemoteRun:
     run.lease.start()
     return run
 
-  def sync_down(self, ckpt_dir: Path, *, resume: str = 'latest', fetch: bool = True) -> None:
+  def sync_down(self,
+                ckpt_dir: Path,
+                *,
+                resume: str = 'latest',
+                fetch: bool = True,
+                local_too: bool = True) -> None:
     """Brings the workdir to the newest intact checkpoint of either tier, or refuses to start
     (`remote_start.sync_down`). Without `fetch` it only learns the remote's newest step."""
-    remote_start.sync_down(self, ckpt_dir, resume=resume, fetch=fetch)
+    remote_start.sync_down(self, ckpt_dir, resume=resume, fetch=fetch, local_too=local_too)
 
   def resume_point(self, ckpt_dir: Path) -> Path | None:
     """Where each host's workdir is its own disk: the newest intact remote checkpoint, which

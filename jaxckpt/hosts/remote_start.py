@@ -36,12 +36,14 @@ RUN_EVENTS = f'run/{EVENTS}'  # the run's events as the last start that ended cl
 MAX_EVENTS_BYTES = MAX_MANIFEST_BYTES  # what is read of it, at most (a long run's: megabytes)
 
 
-def sync_down(run, ckpt_dir: Path, *, resume: str, fetch: bool) -> None:
+def sync_down(run, ckpt_dir: Path, *, resume: str, fetch: bool, local_too: bool = True) -> None:
   """Brings the workdir of `run` (a `RemoteRun`) to the newest intact checkpoint of either tier
   and sets `run.start_step` (the newest intact remote step). Without `fetch` (a start that names
-  its resume point, or a process that waits for process 0's download) it only learns that."""
+  its resume point, or a process that waits for process 0's download) it only learns that.
+  Without `local_too` the remote's newest is downloaded whatever this workdir holds (each
+  host's own disk, where the processes hold different checkpoints)."""
   url = run.store.url
-  local, _ = discovery.latest_intact(ckpt_dir, checksums=False)
+  local, _ = discovery.latest_intact(ckpt_dir, checksums=False) if local_too else (None, [])
   local_step = layout.parse_step(local.name) if local is not None else None
   committed = objects.committed(run.store)
   if resume == 'none' and committed:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Mapping
 
 from .. import layout, manifest
 from ..errors import CheckpointError
@@ -21,12 +22,17 @@ def peer_source(store: Store, step: int | None, *, inspect: bool = True):
     raw, _, _, problems = objects.inspect(store, step)
     seal = manifest.seal_of(raw) if raw is not None and not problems else None
   return Remote(step if seal or not inspect else None, seal,
-                lambda rels, into: fetch_files(store, step, rels, into))
+                lambda at, rels, into, expect: fetch_files(store, at, rels, into, expect))
 
 
-def fetch_files(store: Store, step: int, rels: list[str], step_dir: Path) -> int:
+def fetch_files(store: Store,
+                step: int,
+                rels: list[str],
+                step_dir: Path,
+                expect: Mapping[str, Mapping[str, Any]] | None = None) -> int:
   """Downloads files `rels` of remote checkpoint `step` into `step_dir`; the bytes read.
-  E-STORE-012 when one is not there intact (nothing is left under its name)."""
+  E-STORE-012 when one is not there intact, or not as `expect` ({rel: {size, crc32}}) says
+  (nothing is left under its name)."""
   raw, m, meta, problems = objects.inspect(store, step)
   where = store.join(objects.step_prefix(step).rstrip('/'))
   if problems or m is None or meta is None:
@@ -34,9 +40,13 @@ def fetch_files(store: Store, step: int, rels: list[str], step_dir: Path) -> int
                           'restart the job: an older checkpoint is taken')
   prefix, total = objects.data_prefix(step, meta), 0
   for rel in rels:
-    if rel not in m['files']:
-      raise CheckpointError('E-STORE-012', f'{where}: {rel} is not in its manifest',
-                            'restart the job: an older checkpoint is taken')
+    if rel not in m['files'] or (expect is not None
+                                 and {k: m['files'][rel].get(k) for k in ('size', 'crc32')}
+                                 != {k: expect.get(rel, {}).get(k) for k in ('size', 'crc32')}):
+      raise CheckpointError(
+          'E-STORE-012', f'{where}: {rel} is not in its manifest as the '
+          'checkpoint restored says', 'restart the job: an older checkpoint '
+          'is taken')
     path = layout.safe_member(step_dir, rel)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + '.fetch-tmp')
