@@ -11,8 +11,9 @@ The bytes move over the job's interconnect as JAX moves arrays: at `save`, each 
 the sharding whose devices are those of the same mesh shifted by r processes
 (`jax.device_put`, dispatched on the caller's thread in program order with the train steps, as
 any collective must be). Where the shard is already on the receiving devices (a replicated
-parameter: the data-parallel case) nothing is sent; where it is not, XLA sends it (NCCL, ICI,
-gloo on CPU). The writer then writes process k-r's file from those shards exactly as k-r writes
+parameter: the data-parallel case) none of it needs to cross the interconnect (whether XLA still
+copies it on the device is not measured yet); where it is not, XLA sends it (NCCL, ICI, gloo on
+CPU). The writer then writes process k-r's file from those shards exactly as k-r writes
 it (the same tensors, order and header), and keeps it only when its size and CRC-32 equal the
 ones k-r posted: a replica is byte-identical to the part it copies, or it is not kept.
 
