@@ -95,6 +95,8 @@ def dispatch(leaves: Mapping[str, Any], replicas: int) -> list[tuple[int, dict, 
   """On the caller's thread, at `save`: [(process, parts, places)] of the parts this process
   keeps, their shards being moved onto its devices (asynchronously: the writer waits for them)."""
   me, count = jax.process_index(), jax.process_count()
+  # Replicated arrays too: the copies outlive the caller's arrays, which its next step may donate
+  # before the writer reads them (a host copy in `save` would do as well, at its blocking cost).
   arrays = [n for n, x in leaves.items() if isinstance(x, jax.Array)]
   out = []
   for r, of in enumerate(kept_by(me, count, replicas), start=1):
