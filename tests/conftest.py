@@ -390,3 +390,33 @@ def finish_processes(procs: list[subprocess.Popen], timeout: float = 240) -> lis
                            f'{p.communicate()[0][-3000:]}')
     out.append((p.returncode, text))
   return out
+
+
+def start_trainers(cache: Path, workdir, count: int, *flags: str) -> list[subprocess.Popen]:
+  """`count` processes of one `python -m jaxckpt.main` job on the tiny config; `workdir` may
+  name each process's own ('DIR/host{k}')."""
+  return start_processes(
+      lambda k, coordinator: [
+          sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}',
+          f'--workdir={str(workdir).format(k=k)}', *flags, f'--coordinator_address={coordinator}',
+          f'--num_processes={count}', f'--process_id={k}'
+      ],
+      count,
+      cache=cache)
+
+
+def train_all(cache: Path, workdir, count: int, *flags: str, timeout: float = 240):
+  """`start_trainers`, each process's (exit code, output) once all have exited 0."""
+  results = finish_processes(start_trainers(cache, workdir, count, *flags), timeout=timeout)
+  for k, (code, out) in enumerate(results):
+    assert code == 0, f'process {k} exited {code}:\n{out[-3000:]}'
+  return results
+
+
+def remote_steps(store) -> list[int]:
+  """The steps committed in a remote store ([] while it cannot be listed)."""
+  from jaxckpt.checkpoint.remote import StoreError, objects  # pylint: disable=import-outside-toplevel
+  try:
+    return sorted(objects.committed(store))
+  except StoreError:
+    return []

@@ -5,15 +5,14 @@ to a run never stopped."""
 
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import (TINY, assert_same_bytes, committed_steps, events_of, finish_processes, losses,
-                      start_processes, wait_for)
+from conftest import (assert_same_bytes, committed_steps, events_of, finish_processes, losses,
+                      remote_steps, start_trainers, train_all, wait_for)
 
 from jaxckpt.checkpoint.formats import read_host_arrays
-from jaxckpt.checkpoint.remote import Store, StoreError, objects
+from jaxckpt.checkpoint.remote import Store, objects
 
 COUNT = 3
 FLAGS = ('--config.train.steps=40', '--checkpoint_every=5', '--config.train.log_every=5',
@@ -21,28 +20,11 @@ FLAGS = ('--config.train.steps=40', '--checkpoint_every=5', '--config.train.log_
 
 
 def _launch(cache, workdir, *flags):
-  return start_processes(
-      lambda k, coordinator: [
-          sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}',
-          f'--workdir={str(workdir).format(k=k)}', *FLAGS, *flags,
-          f'--coordinator_address={coordinator}', f'--num_processes={COUNT}', f'--process_id={k}'
-      ],
-      COUNT,
-      cache=cache)
+  return start_trainers(cache, workdir, COUNT, *FLAGS, *flags)
 
 
 def _train(cache, workdir, *flags):
-  results = finish_processes(_launch(cache, workdir, *flags), timeout=300)
-  for k, (code, out) in enumerate(results):
-    assert code == 0, f'process {k} exited {code}:\n{out[-3000:]}'
-  return results
-
-
-def _remote_steps(store) -> list[int]:
-  try:
-    return sorted(objects.committed(store))
-  except StoreError:
-    return []
+  return train_all(cache, workdir, COUNT, *FLAGS, *flags, timeout=300)
 
 
 @pytest.fixture(scope='module')
@@ -61,7 +43,7 @@ def test_a_wiped_host_comes_back_from_its_peer_and_the_run_is_bit_identical(
   procs = _launch(compile_cache, tmp_path / 'host{k}', f'--remote={url}', '--replicas=1',
                   '--remote_lease_secs=2')
   try:
-    wait_for(lambda: any(s >= 15 for s in _remote_steps(store)), procs[0], timeout=240)
+    wait_for(lambda: any(s >= 15 for s in remote_steps(store)), procs[0], timeout=240)
   finally:
     for p in procs:
       p.send_signal(signal.SIGKILL)

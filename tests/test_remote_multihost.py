@@ -5,43 +5,25 @@ workdir or on each host's own disk, a fresh start resumes from the remote, bit-e
 import json
 import shutil
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import (TINY, assert_same_bytes, committed_steps, events_of, finish_processes, losses,
-                      start_processes, wait_for)
+from conftest import (assert_same_bytes, committed_steps, events_of, finish_processes, losses,
+                      remote_steps, start_trainers, train_all, wait_for)
 
 from jaxckpt.checkpoint.formats import read_host_arrays
-from jaxckpt.checkpoint.remote import Store, StoreError, objects
+from jaxckpt.checkpoint.remote import Store, objects
 
 FLAGS = ('--config.train.steps=60', '--checkpoint_every=5', '--config.train.log_every=5')
 
 
 def _launch(cache, workdir, *flags):
-  return start_processes(
-      lambda k, coordinator: [  # 'DIR/host{k}': each process its own disk
-          sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}',
-          f'--workdir={str(workdir).format(k=k)}', *FLAGS, *flags,
-          f'--coordinator_address={coordinator}', '--num_processes=2', f'--process_id={k}'
-      ],
-      2,
-      cache=cache)
+  return start_trainers(cache, workdir, 2, *FLAGS, *flags)
 
 
 def _train(cache, workdir, *flags):
-  results = finish_processes(_launch(cache, workdir, *flags), timeout=240)
-  for k, (code, out) in enumerate(results):
-    assert code == 0, f'process {k} exited {code}:\n{out[-3000:]}'
-  return results
-
-
-def _remote_steps(store) -> list[int]:
-  try:
-    return sorted(objects.committed(store))
-  except StoreError:
-    return []
+  return train_all(cache, workdir, 2, *FLAGS, *flags)
 
 
 def _arrays(workdir, step):
@@ -58,11 +40,11 @@ def straight(tmp_path_factory, compile_cache) -> Path:
 
 def _kill_when_uploaded(procs, store, at_least: int = 20) -> int:
   """SIGKILL every process once the remote holds step `at_least`; the newest remote step."""
-  wait_for(lambda: any(s >= at_least for s in _remote_steps(store)), procs[0], timeout=180)
+  wait_for(lambda: any(s >= at_least for s in remote_steps(store)), procs[0], timeout=180)
   for p in procs:
     p.kill()
   finish_processes(procs)
-  at_kill = max(_remote_steps(store))
+  at_kill = max(remote_steps(store))
   assert at_kill < 60, 'the run finished before it could be killed'
   # Both parts under the one attempt process 0 named and committed.
   keys = store.list(objects.object_key(store, at_kill, 'state/'))
@@ -89,7 +71,7 @@ def test_two_processes_resume_from_the_remote_on_a_fresh_workdir(tmp_path, compi
   assert [e['step'] for e in events_of(fresh, 'resumed')] == [at_kill]
   assert_same_bytes(_arrays(fresh, 60), _arrays(straight, 60))
   assert losses(fresh) == losses(straight)
-  assert _remote_steps(store)[-1] == 60
+  assert remote_steps(store)[-1] == 60
 
 
 def test_on_each_host_own_disk_each_uploads_its_part_and_a_new_host_resumes(
@@ -109,7 +91,7 @@ def test_on_each_host_own_disk_each_uploads_its_part_and_a_new_host_resumes(
   results = _train(compile_cache, tmp_path / 'host{k}', f'--remote={url}')
   assert 'uploaded its part of step 60' in results[1][1], results[1][1][-3000:]
   assert [e['step'] for e in events_of(hosts[0], 'resumed')][-1] == at_kill
-  assert _remote_steps(store)[-1] == 60
+  assert remote_steps(store)[-1] == 60
   whole = objects.download(store, 60, tmp_path / 'downloaded')[0]
   assert_same_bytes(read_host_arrays(whole), _arrays(straight, 60))
   assert losses(hosts[0]) == losses(straight)
@@ -129,7 +111,7 @@ def test_a_lost_lease_stops_every_process_writing_to_the_prefix(tmp_path, compil
   procs = _launch(compile_cache, tmp_path / 'run', f'--remote={url}', '--remote_lease_secs=2',
                   '--config.train.steps=100000', '--config.train.log_every=100000')
   try:
-    wait_for(lambda: any(s >= 10 for s in _remote_steps(store)), procs[0], timeout=180)
+    wait_for(lambda: any(s >= 10 for s in remote_steps(store)), procs[0], timeout=180)
     other = {'id': 'other', 'host': 'elsewhere', 'pid': 1, 'started_at': time.time()}
     store.write('LEASE', json.dumps({**other, 'renewed_at': time.time()}).encode())
     wait_for(lambda: json.loads(store.read('LEASE')) and _lease_lost(tmp_path / 'run'), procs[0])

@@ -13,7 +13,7 @@ import time
 
 import pytest
 from conftest import (assert_same_bytes, checkpoint_arrays, committed_steps, events_of, jaxckpt_cli,
-                      losses, wait_for)
+                      losses, remote_steps, wait_for)
 
 from jaxckpt.checkpoint.errors import CheckpointError
 from jaxckpt.checkpoint.remote import Store, StoreError, objects
@@ -37,13 +37,6 @@ def _wait_until_stale(store, ttl: float) -> None:
   wait_for(lambda: time.time() - holder['renewed_at'] > ttl + 0.2)
 
 
-def _remote_steps(store) -> list[int]:
-  try:
-    return sorted(objects.committed(store))
-  except StoreError:
-    return []
-
-
 @pytest.mark.parametrize('server', ['s3_server', 'gcs_server'])
 def test_a_fresh_machine_continues_from_the_remote_bit_exactly(trainer, straight, tmp_path, request,
                                                                server):
@@ -58,7 +51,7 @@ def test_a_fresh_machine_continues_from_the_remote_bit_exactly(trainer, straight
   wait_for(lambda: any(e['step'] >= 20 for e in events_of(first_vm, 'uploaded')), proc)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
-  at_kill = max(_remote_steps(store))
+  at_kill = max(remote_steps(store))
   assert at_kill < STEPS, 'the run finished before it could be killed'
   # The lost VM's exports of steps before the one the next resumes from: never exported again.
   earlier = {k: store.read(k) for k in store.list('exports/') if _export_step(k) < at_kill}
@@ -77,8 +70,8 @@ def test_a_fresh_machine_continues_from_the_remote_bit_exactly(trainer, straight
   assert losses(fresh) == losses(straight)  # the loss history came down with the checkpoint
   assert sorted(losses(fresh)) == list(range(1, STEPS + 1))
   assert f'step {STEPS} is durable in {url}/checkpoints/step_{STEPS:08d}' in again.stderr
-  assert _remote_steps(store)[-1] == STEPS
-  assert len(_remote_steps(store)) == 2  # remote retention follows --keep=2
+  assert remote_steps(store)[-1] == STEPS
+  assert len(remote_steps(store)) == 2  # remote retention follows --keep=2
   export = f'exports/step_{STEPS:08d}/model.safetensors'  # the exports went up too
   assert store.read(export) == (fresh / export).read_bytes()
   assert {k: store.read(k) for k in earlier} == earlier  # and the lost VM's are still there
@@ -100,7 +93,7 @@ def test_a_replayed_step_is_never_claimed_durable_before_it_is_uploaded(
   first = trainer.train(workdir, '--config.train.steps=300', '--checkpoint_every=100', '--keep=0',
                         f'--remote={url}')
   assert first.returncode == 0, first.stderr
-  assert _remote_steps(Store(url)) == [100, 200, 300]
+  assert remote_steps(Store(url)) == [100, 200, 300]
   proc = trainer.start(workdir, f'--resume={workdir}/checkpoints/step_00000100',
                        '--config.train.steps=100000', '--checkpoint_every=100000', '--keep=0',
                        '--config.train.log_every=5', f'--remote={url}', '--stop_grace_secs=3')
@@ -143,7 +136,7 @@ def test_a_store_that_goes_away_never_stops_training(trainer, s3_server, tmp_pat
   flags = ('--config.train.steps=300', '--checkpoint_every=10', '--keep=0', f'--remote={url}')
   proc = trainer.start(workdir, *flags)
   try:
-    wait_for(lambda: any(s >= 20 for s in _remote_steps(store)), proc)
+    wait_for(lambda: any(s >= 20 for s in remote_steps(store)), proc)
     s3_server.stop()
     wait_for(lambda: events_of(workdir, 'upload_failed'), proc)
     down_at = max(committed_steps(workdir))
@@ -154,7 +147,7 @@ def test_a_store_that_goes_away_never_stops_training(trainer, s3_server, tmp_pat
   stop.set()
   thread.join()
   assert not damaged
-  assert _remote_steps(store)[-1] == 300  # the newest went up once the store was back
+  assert remote_steps(store)[-1] == 300  # the newest went up once the store was back
   status = read_status(workdir)
   assert status['remote_step'] == 300 and status['remote_error'] is None
   failed = events_of(workdir, 'upload_failed')
@@ -167,7 +160,7 @@ def test_one_trainer_per_remote_prefix(trainer, s3_server, tmp_path):
   first = trainer.start(tmp_path / 'a', '--config.train.steps=100000', '--checkpoint_every=10',
                         f'--remote={url}', '--remote_lease_secs=3')
   try:
-    wait_for(lambda: _remote_steps(store), first)
+    wait_for(lambda: remote_steps(store), first)
     second = trainer.train(tmp_path / 'b', f'--remote={url}')
     assert second.returncode == 2
     line = second.stderr.strip().splitlines()[-1]
@@ -198,7 +191,7 @@ def test_sigterm_makes_the_last_checkpoint_durable_within_the_grace(trainer, s3_
   assert proc.returncode == 128 + signal.SIGTERM, out
   stopped = events_of(workdir, 'interrupted')[0]['step']
   assert committed_steps(workdir) == [stopped]  # the step it stopped at, and only that one
-  assert _remote_steps(store) == [stopped]
+  assert remote_steps(store) == [stopped]
   assert f'jaxckpt: step {stopped} is durable in {url}/checkpoints/step_{stopped:08d}/' in out
 
 
@@ -217,6 +210,6 @@ def test_a_damaged_remote_checkpoint_is_passed_over_and_replaced(trainer, s3_ser
   assert again.returncode == 0, again.stderr
   assert 'passing over remote step 20: E-STORE-012' in again.stderr
   assert [e['step'] for e in events_of(tmp_path / 'vm2', 'fetched')] == [10]
-  assert _remote_steps(store) == [10, 20, 30]
+  assert remote_steps(store) == [10, 20, 30]
   verify = jaxckpt_cli('verify', url)  # step 20 was trained again and its upload replaced it
   assert verify.returncode == 0, verify.stdout
