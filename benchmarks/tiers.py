@@ -19,13 +19,14 @@ Policies, their intervals from `jaxckpt.checkpoint.cadence.plan` (Daly, in whole
   * remote only (a run without `--replicas`): one checkpoint every T = plan(δ + δ_up, M), M the
     combined mean; each is uploaded and protects only once the upload is committed; every
     failure goes back to the newest uploaded checkpoint and every host downloads it.
-  * two tiers, one cadence (what `--replicas=1` does today): the same T, every checkpoint
+  * two tiers, one cadence (`--replicas=1 --remote_every=1`): the same T, every checkpoint
     written with the neighbour's part and uploaded; a host loss goes back to the newest locally
     committed checkpoint and restarts from the peers, a job loss as remote only.
-  * two tiers, two cadences (planned, not implemented): a local + peer checkpoint every
-    T_local = plan(2δ, M_host) and an upload of every k-th, k = round(T_remote / T_local) with
-    T_remote = plan(δ_up, M_job). The next upload is due k local saves after the newest uploaded
-    one, counted across restarts from the peers.
+  * two tiers, two cadences (`--replicas=1 --remote_every=auto`): a local + peer checkpoint
+    every T_local = plan(2δ, M_host) and an upload of every k-th, k = round(T_remote / T_local)
+    with T_remote = plan(δ_up, M_job). The next upload is due k local saves after the newest
+    uploaded one, counted across restarts from the peers (the trainer also uploads the
+    checkpoint a restart continues from: one δ_up more per restart, not simulated).
 
 Costs (andrea_120m, 1.46 GB; `Costs`; the upload's cost, the remote restore and the restart
 overhead have flags, being the least certain):
@@ -241,8 +242,8 @@ def main(argv=None) -> int:
       'costs': dataclasses.asdict(c), 'days': args.days, 'seed': args.seed, 'llama3': LLAMA3,
       'policies': {
           'remote': 'remote only: T = plan(delta + upload, M), every failure from the remote',
-          'one': 'two tiers, one cadence (today): T as remote, host losses from the peers',
-          'two': 'two tiers, two cadences (planned): T_local = plan(2 delta, M_host), '
+          'one': 'two tiers, one cadence (--remote_every=1): T as remote, host losses from the peers',
+          'two': 'two tiers, two cadences (--remote_every=auto): T_local = plan(2 delta, M_host), '
                  'an upload every k-th, k = round(plan(upload, M_job) / T_local)'
       }
   }

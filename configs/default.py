@@ -93,6 +93,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.remote = ''
   # Each host's own disk (--remote set): also keep this many other processes' parts (the peer tier)
   config.checkpoint.replicas = 0
+  # Which checkpoints are uploaded: every K-th, or 'auto' (every one; with replicas and
+  # every='auto', K from Daly for the failures the peers cannot cover: docs/many-hosts.md).
+  config.checkpoint.remote_every = ml_collections.FieldReference('auto', field_type=object)
+  # replicas + auto: mean time between losses of the whole job (or of R+1 neighbouring hosts)
+  config.checkpoint.remote_mtbi = ml_collections.FieldReference('3d', field_type=object)
   config.checkpoint.remote_lease_secs = 60.0  # a writer's lease not renewed this long is taken over
   config.checkpoint.remote_lease = 'on'  # on | off: one writer per prefix (off: not enforced)
   config.checkpoint.stop_grace_secs = 25.0  # after a stop signal: time to make the last one durable

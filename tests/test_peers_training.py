@@ -1,7 +1,7 @@
 """--replicas=1 on 3 real jax.distributed processes, each with its own workdir (`host{k}`) and
---remote on a moto server: every process is SIGKILLed, a host's disk is wiped (a replacement VM),
-and the same command continues the run, its lost part brought back from a peer, bit-identical
-to a run never stopped."""
+--remote on a moto server, every third checkpoint uploaded (--remote_every=3): every process is
+SIGKILLed, a host's disk is wiped (a replacement VM), and the same command continues the run,
+its lost part brought back from a peer, bit-identical to a run never stopped."""
 
 import shutil
 import signal
@@ -40,8 +40,8 @@ def test_a_wiped_host_comes_back_from_its_peer_and_the_run_is_bit_identical(
   url = s3_server.bucket()
   store = Store(url)
   hosts = [tmp_path / f'host{k}' for k in range(COUNT)]
-  procs = _launch(compile_cache, tmp_path / 'host{k}', f'--remote={url}', '--replicas=1',
-                  '--remote_lease_secs=2')
+  tiers = (f'--remote={url}', '--replicas=1', '--remote_every=3', '--remote_lease_secs=2')
+  procs = _launch(compile_cache, tmp_path / 'host{k}', *tiers)
   try:
     wait_for(lambda: any(s >= 15 for s in remote_steps(store)), procs[0], timeout=240)
   finally:
@@ -55,8 +55,9 @@ def test_a_wiped_host_comes_back_from_its_peer_and_the_run_is_bit_identical(
     assert names == {f'process_{k}.safetensors', f'process_{(k - 1) % COUNT}.safetensors'}
 
   shutil.rmtree(hosts[1])  # host 1's VM is replaced; hosts 0 and 2 keep their disks
-  _train(compile_cache, tmp_path / 'host{k}', f'--remote={url}', '--replicas=1',
-         '--remote_lease_secs=2')
+  # Processes 1 and 2 uploaded their parts of the steps process 0 said: the remote's first is 15.
+  assert [e['step'] for e in events_of(hosts[0], 'uploaded')][:1] == [15]
+  _train(compile_cache, tmp_path / 'host{k}', *tiers)
   resumed = events_of(hosts[0], 'resumed')[-1]
   sources = resumed['sources']['processes']
   assert resumed['step'] >= 15 and len(sources) == COUNT

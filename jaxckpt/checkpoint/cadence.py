@@ -214,3 +214,11 @@ def plan(delta_s: float,
       bound=bound,
       overhead_pct=100.0 * max(0.0, delta_s) / cycle if cycle > 0 else 0.0,
       lost_s=cycle / 2 + durable_s)
+
+
+def human(seconds: float) -> str:
+  """`0.31s`, `57m`, `6.0h`, `30d`: a duration as a person reads it."""
+  for unit, size in (('d', 86400), ('h', 3600), ('m', 60)):
+    if seconds >= 2 * size:
+      return f'{seconds / size:.3g}{unit}'
+  return f'{seconds:.3g}s'

@@ -10,7 +10,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from . import atomic, layout, manifest
 from .errors import CheckpointError
@@ -80,8 +80,10 @@ def apply(directory: Path,
           policy: RetentionPolicy,
           options: CheckpointOptions,
           *,
-          newest: int | None = None) -> tuple[list[int], list[str]]:
+          newest: int | None = None,
+          held: Iterable[int] = ()) -> tuple[list[int], list[str]]:
   """Delete what retention lets go; only ever called right after a commit, of step `newest`.
+  `held`: steps a reader still needs (an upload in progress): kept until a later commit.
 
   Returns (deleted steps, problems). A step that cannot be removed is a warning, not a failed
   save: the checkpoint just committed is intact, and the next commit tries again.
@@ -95,7 +97,8 @@ def apply(directory: Path,
     records = fields(committed)
     doomed = policy.to_delete(
         committed, best_metric(records, options), newest=newest, pinned=pins(records))
-    for step in doomed:
+    held = set(held)
+    for step in [s for s in doomed if s not in held]:
       try:
         # Rename first so a half-deleted directory never looks like a checkpoint.
         gone = layout.deleting_dir(directory, step)

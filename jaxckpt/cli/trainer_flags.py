@@ -43,6 +43,8 @@ FLAG_FIELDS = {
     'stop_grace_secs': 'checkpoint.stop_grace_secs',
     'keep': 'checkpoint.keep',
     'replicas': 'checkpoint.replicas',
+    'remote_every': 'checkpoint.remote_every',
+    'remote_mtbi': 'checkpoint.remote_mtbi',
     'keep_every': 'checkpoint.keep_every',
     'keep_best': 'checkpoint.keep_best',
     'guard_finite': 'train.guard_finite',
@@ -108,7 +110,7 @@ def define_trainer_flags() -> None:
   flags.DEFINE_string(
       'remote', None,
       _field(
-          'Durable copy of every checkpoint: s3://bucket/prefix, gs://bucket/prefix or a '
+          'Durable copy of the checkpoints: s3://bucket/prefix, gs://bucket/prefix or a '
           'mounted path; an empty --workdir resumes from it.', 'remote'))
   flags.DEFINE_float(
       'remote_lease_secs', None,
@@ -129,6 +131,16 @@ def define_trainer_flags() -> None:
       _field(
           "Each host's own disk, with --remote: each process also keeps the parts of this many "
           'other hosts, so a lost host is restored from its peers (0: off).', 'replicas'))
+  flags.DEFINE_string(
+      'remote_every', None,
+      _field(
+          'With --remote: upload every K-th checkpoint, or auto (every one; with --replicas and '
+          '--checkpoint_every=auto, K for the failures the peers cannot cover).', 'remote_every'))
+  flags.DEFINE_string(
+      'remote_mtbi', None,
+      _field(
+          'With --replicas and --remote_every=auto: the mean time between losses the peers '
+          'cannot cover (the whole job, or R+1 neighbouring hosts): 12h, 3d, 2w.', 'remote_mtbi'))
   flags.DEFINE_integer(
       'keep_every', None,
       _field('Keep every checkpoint whose step is divisible by this (0: off).', 'keep_every'))

@@ -26,7 +26,8 @@ _GROUPS = {
     'Checkpoints': ('checkpoint_every', 'checkpoint_secs', 'checkpoint_epochs', 'checkpoint_mtbi',
                     'checkpoint_min_secs', 'checkpoint_max_secs', 'checkpoint_mode',
                     'checkpoint_staging', 'keep', 'keep_every', 'keep_best', 'guard_finite'),
-    'Remote copy': ('remote', 'remote_lease', 'remote_lease_secs', 'stop_grace_secs'),
+    'Remote copy': ('remote', 'remote_every', 'remote_mtbi', 'remote_lease', 'remote_lease_secs',
+                    'stop_grace_secs'),
     'Exports during training':
         ('export_every', 'export_formats', 'export_keep', 'export_optimizer'),
     'Many hosts': ('coordinator_address', 'num_processes', 'process_id', 'heartbeat_timeout_secs',
@@ -43,8 +44,8 @@ _DEFAULTS = {
 }
 _FORMS = {
     'workdir': 'DIR', 'resume': 'latest|none|PATH', 'checkpoint_every': 'N|auto',
-    'checkpoint_mtbi': 'DURATION', 'remote': 'URL', 'export_formats': 'LIST',
-    'coordinator_address': 'HOST:PORT'
+    'checkpoint_mtbi': 'DURATION', 'remote': 'URL', 'remote_every': 'K|auto',
+    'remote_mtbi': 'DURATION', 'export_formats': 'LIST', 'coordinator_address': 'HOST:PORT'
 }
 
 

@@ -30,11 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import re
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -42,8 +39,10 @@ from absl import logging
 
 from jaxckpt.checkpoint import CheckpointOptions, CommitInfo, RetentionPolicy, layout
 from jaxckpt.checkpoint.remote import Lease, LeaseError, Parts, Store, StoreError, Uploader, objects
-from jaxckpt.errors import ConfigError, UsageError
+from jaxckpt.errors import UsageError
 from jaxckpt.hosts import distributed, remote_start
+from jaxckpt.hosts.remote_access import check_access, open_store
+from jaxckpt.hosts.upload_cadence import UploadCadence
 from jaxckpt.hosts.remote_start import APPEND_ONLY, REWRITTEN
 from jaxckpt.records.runlog import RunLog
 from jaxckpt.records.workdir import EXPORTS
@@ -52,113 +51,6 @@ FINISH_SECS = 600.0  # how long the end of a run waits for its last upload
 EVENTS_SECS = 5.0  # the least the run's events get after it, whatever the grace left
 _REMOTE_STEP = 'jaxckpt/run/remote_step/'  # process 0's newest remote commit, for the others
 _ASK_EVERY = 0.2  # seconds between two looks at it (the loop asks at step boundaries)
-
-# What a failed access check means, by `StoreError.kind`: (code, what, fix). Filled in with the
-# store's {bucket}, {url}, {endpoint}, {endpoint_var} and {credentials}.
-_ACCESS = {
-    'bad_url':
-        ('E-STORE-001', '{bucket} is not a valid bucket name', 'fix the bucket name in --remote'),
-    'missing_bucket': ('E-STORE-002', 'bucket {bucket} does not exist',
-                       'create it, or fix the bucket name in --remote'),
-    'missing_parent': ('E-STORE-002', 'its parent directory does not exist (a disk not mounted?)',
-                       'mount the disk, or create the parent directory of {url}'),
-    'credentials': ('E-STORE-003', 'the credentials were refused', 'check {credentials}'),
-    'denied': ('E-STORE-003', 'the credentials may not list the bucket',
-               'grant them list and read access to the bucket, or check {credentials}'),
-    'unreachable': ('E-STORE-005', 'the storage endpoint {endpoint} cannot be reached',
-                    'check {endpoint_var} and the network'),
-    'failed': ('E-STORE-008', 'the store failed', 'check --remote and the store'),
-}
-# The permission a probe stage needs, by scheme, for E-STORE-004.
-_PERMISSION = {
-    's3': {'write': 's3:PutObject', 'read': 's3:GetObject', 'delete': 's3:DeleteObject'},
-    'gs': {
-        'write': 'storage.objects.create', 'read': 'storage.objects.get',
-        'delete': 'storage.objects.delete'
-    },
-}
-
-
-def open_store(url: str) -> Store:
-  try:
-    return Store(url)
-  except StoreError as e:  # E-STORE-001: its `what` starts with the URL
-    raise ConfigError(e.code, f'--remote={e.what}', e.fix) from None
-
-
-def check_access(store: Store, *, conditions: bool = False) -> None:
-  """Lists, writes, reads back and deletes a probe object under the prefix; raises `UsageError`
-  (exit 2), one line naming the URL, what failed and the fix. `conditions`: also that the store
-  refuses a second create-only write and a write at a stale generation (the lease needs both)."""
-  probe = f'.jaxckpt-probe-{uuid.uuid4().hex[:12]}'
-  data = b'jaxckpt access probe\n'
-  stage, unclear = 'list', None
-  try:
-    try:
-      store.list('.jaxckpt-probe-')
-    except StoreError as e:
-      if e.kind != 'failed':
-        raise
-      # An answer that says nothing (the GCS emulator's empty 404 for a bucket it does not
-      # have): what the write is told may say more.
-      unclear = e
-    stage = 'write'
-    store.write(probe, data)
-    stage = 'read'
-    if store.read(probe) != data:
-      raise StoreError('E-STORE-008', f'{store.join(probe)} read back different bytes',
-                       'the store does not keep what it is given')
-    stage = 'delete'
-    store.delete(probe)
-    if unclear is not None:
-      stage = 'list'
-      raise unclear
-    stage = 'write'
-    ignored = store.ignored_condition(probe) if conditions else None
-    if ignored:
-      raise UsageError(
-          'E-STORE-014', f'{store.url} ignores conditional writes, so one writer per prefix cannot '
-          'be enforced', f'use a store that honours them, or pass --remote_lease=off ({ignored})')
-  except StoreError as e:
-    if unclear is not None and e.kind == 'failed':
-      e, stage = unclear, 'list'
-    raise _access_error(store, stage, e) from None
-
-
-def _access_error(store: Store, stage: str, e: StoreError) -> UsageError:
-  """The one line for a probe that failed at `stage` with `e`: the URL, what, the store's own
-  words (short) and the fix."""
-  env = os.environ
-  if store.scheme == 's3':
-    endpoint_var = 'AWS_ENDPOINT_URL_S3' if env.get('AWS_ENDPOINT_URL_S3') else 'AWS_ENDPOINT_URL'
-    endpoint = env.get(endpoint_var) or 'of S3'
-    credentials = 'AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the AWS profile in use)'
-  elif store.scheme == 'gs':
-    endpoint_var = 'STORAGE_EMULATOR_HOST'
-    endpoint = env.get('TENSORSTORE_GCS_HTTP_URL') or env.get(endpoint_var) or 'of GCS'
-    credentials = ('the application default credentials (GOOGLE_APPLICATION_CREDENTIALS, or '
-                   'gcloud auth application-default login)')
-  else:
-    endpoint_var, endpoint, credentials = 'the mount', store.prefix, 'the permissions of the path'
-  code, what, fix = _ACCESS[e.kind]
-  refused = e.kind == 'denied' or store.scheme == 'file' and e.kind == 'credentials'
-  if refused and (stage != 'list' or store.scheme == 'file'):
-    permission = _PERMISSION.get(store.scheme, {}).get(stage, f'{stage} access')
-    code, what, fix = ('E-STORE-004', f'no permission to {stage} objects under the prefix',
-                       f'grant the credentials {permission} on {store.url}')
-  names = dict(
-      bucket=store.bucket,
-      url=store.url,
-      endpoint=endpoint,
-      endpoint_var=endpoint_var,
-      credentials=credentials)
-  what, fix = what.format(**names), fix.format(**names)
-  # Without tensorstore's status code, retry count and [http_response_body='...'] payloads.
-  lines = str(e.__cause__ or e.what).strip().splitlines()
-  reason = re.sub(r'^([A-Z_]+: )+', '', lines[0].split(' [', 1)[0] if lines else '')
-  reason = re.sub(r'^All \d+ retry attempts failed: ', '', reason).rstrip(': ').replace(';', ',')
-  detail = f' ({stage}: {reason[:200]})' if reason else ''
-  return UsageError(code, f'--remote={store.url}: {what}{detail}', fix)
 
 
 class RemoteRun:
@@ -179,6 +71,8 @@ class RemoteRun:
     on = c.get('remote_lease', 'on') == 'on'  # off: no lease object, nothing fences a 2nd writer
     self.lease = Lease(store, ttl_secs=c.remote_lease_secs) if on else None
     self.taken_over: dict[str, Any] | None = None
+    self.cadence = UploadCadence(config, cluster)  # which commits go up (`--remote_every`)
+    self.replicas = c.get('replicas', 0)
     self.uploader: Uploader | None = None
     self.start_step: int | None = None  # the newest intact remote step when the run started
     self.fetched: dict[str, Any] | None = None
@@ -189,6 +83,7 @@ class RemoteRun:
     self._submitted: Path | None = None  # the checkpoint it continues from, as queued
     self._last_records: set[int] = set()  # steps whose records are taken at `finish`
     self._held: tuple[int, Path] | None = None  # the last commit, uploaded by `finish`
+    self._unsent: tuple[int, Path] | None = None  # the last commit, if the cadence passed it
     self._committed: tuple[float, int | None] = (-float('inf'), None)  # process 0's word, when
 
   @classmethod
@@ -273,7 +168,7 @@ class RemoteRun:
     """Starts the uploader, with the local retention rules (`options`); the local checkpoint
     the run continues from (`resume_dir`) is queued at once: until it is up (or found there as
     it is), nothing of this run is durable."""
-    self._runlog = runlog
+    self._runlog = self.cadence.runlog = runlog
     retention = RetentionPolicy(options.keep, options.keep_every, options.keep_best)
     if self.taken_over is not None:
       runlog.event('lease_taken_over', url=self.store.url, previous=self.taken_over)
@@ -307,6 +202,7 @@ class RemoteRun:
       return
     self._last_local = step
     self.uploader.submit(step, path, self.capture_now())  # found there as it is: no upload
+    self.cadence.started()
 
   def capture_now(self) -> dict[str, Any]:
     """The run's records as of now: {name: bytes, or a reader of the prefix written so far}."""
@@ -334,11 +230,14 @@ class RemoteRun:
       self._records[step] = self.capture_now()
 
   def on_commit(self, info: CommitInfo) -> None:
-    self._last_local = info.step
-    if info.step in self._last_records:
+    self._last_local, self._held, self._unsent = info.step, None, None
+    last = info.step in self._last_records
+    if not self.cadence.take(info.step, last=last):  # `--remote_every`: not this one
+      self._unsent = (info.step, info.path)
+      self._records.pop(info.step, None)
+    elif last:
       self._held = (info.step, info.path)  # `finish` is moments away: the end record first
     else:
-      self._held = None
       self.uploader.submit(info.step, info.path, self._records.pop(info.step, None))
     for step in [s for s in self._records if s < info.step]:
       del self._records[step]  # a save that failed: its records will not be needed
@@ -364,7 +263,10 @@ class RemoteRun:
 
   def chain(self, committed: Callable[[], bool]) -> Callable[[], bool]:
     """The automatic cadence's test that the last save is durable: `committed()` locally and,
-    unless the store is failing (then local commits go on alone), uploaded."""
+    unless the store is failing (then local commits go on alone), uploaded. With `--replicas`,
+    committed alone: a commit holds the peers' copies, which cover a lost host."""
+    if self.replicas:
+      return committed
     return lambda: committed() and (self._last_local is None or self.uploader.error is not None or
                                     self.durable(self._last_local))
 
@@ -372,12 +274,14 @@ class RemoteRun:
     remote = self.uploader.remote_step if self.uploader else self.start_step
     lag = None if self._last_local is None else self._last_local - (remote or 0)
     return {
-        'remote_step': remote, 'remote_lag_steps': lag,
+        'remote_step': remote, 'remote_lag_steps': lag, 'remote_every': self.cadence.k,
         'remote_error': self.uploader.error if self.uploader else None,
         'lease': 'on' if self.lease else 'off'
     }
 
   def _on_event(self, name: str, **fields) -> None:
+    if name == 'uploaded':
+      self.cadence.uploaded(fields.get('seconds', 0.0))
     if self._runlog is not None:
       self._runlog.event(name, **fields)
       self._runlog.status(**self.status())
@@ -400,6 +304,9 @@ class RemoteRun:
     if self._held is not None:  # the end record is written: it travels with the last commit
       self.uploader.submit(*self._held, self.capture_now())
       self._held = None
+    elif self._unsent is not None and self._unsent[0] == step:  # an end the loop did not see
+      self.uploader.submit(*self._unsent, self.capture_now())  # (a failure): it goes up too
+      self._unsent = None
     grace = self.config.checkpoint.stop_grace_secs if stopping else FINISH_SECS
     deadline = time.monotonic() + grace
     if not self.uploader.durable(step):

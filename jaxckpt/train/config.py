@@ -11,6 +11,7 @@ from jaxckpt.checkpoint import ArgumentError, CheckpointOptions, cadence
 from jaxckpt.checkpoint.remote import StoreError, parse_url
 from jaxckpt.errors import ConfigError
 from jaxckpt.export import during_training
+from jaxckpt.hosts import upload_cadence
 from jaxckpt.model import bandit as bandit_lib
 from jaxckpt.train import init_from as init_from_lib
 
@@ -79,6 +80,8 @@ def _validate_remote(c) -> None:
   if not c.get('remote_lease_secs', 60.0) > 0:
     raise ConfigError('E-CONFIG-004', f'checkpoint remote_lease_secs={c.remote_lease_secs} is not '
                       'positive', 'set --remote_lease_secs to seconds, e.g. 60')
+  upload_cadence.parse_remote_every(c.get('remote_every', cadence.AUTO))
+  upload_cadence.parse_remote_mtbi(c.get('remote_mtbi', upload_cadence.DEFAULT_REMOTE_MTBI))
   if c.get('remote_lease', 'on') not in ('on', 'off'):
     raise ConfigError('E-CONFIG-004', f'checkpoint remote_lease={c.remote_lease!r} is not on or '
                       'off', 'set --remote_lease=on (one writer per prefix) or off')
@@ -106,8 +109,7 @@ def checkpoint_options(config):
     raise ConfigError(
         e.code, e.what, 'set --checkpoint_every, --checkpoint_secs, --checkpoint_mode, '
         '--checkpoint_staging, --keep, --keep_every, --keep_best, --replicas or '
-        '--config.checkpoint.*'
-    ) from None
+        '--config.checkpoint.*') from None
 
 
 def cadence_options(config) -> cadence.CadenceOptions:

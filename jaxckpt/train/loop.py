@@ -213,6 +213,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     if remote is not None:
       remote.attach(runlog, mgr.options, ckpt_dir, resume_dir)
       cadence.durable = remote.chain(cadence.durable)  # durable means uploaded too
+      mgr.held = remote.uploader.holding  # a checkpoint being uploaded outlives retention
+      nbytes = tree_nbytes(trainer.abstract_state())
+      cadence.on_plan = lambda plan, step: remote.cadence.replan(plan, step, nbytes)
     if lock.previous_holder:
       runlog.event('lock_taken_over', previous=lock.previous_holder)
       logging.info('took over the lock of pid %s (not running)', lock.previous_holder.get('pid'))

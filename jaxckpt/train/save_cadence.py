@@ -155,6 +155,8 @@ class SaveCadence:
     self._write: _Write | None = None
     self._saving_at = 0.0
     self._aside_s = 0.0  # time inside this save that is not its cost
+    # Told each plan, for a second cadence that counts in these checkpoints (the remote's).
+    self.on_plan: Callable[[cadence.Plan, int], None] = lambda plan, step: None
 
   @property
   def durable(self) -> Callable[[], bool]:
@@ -322,7 +324,7 @@ class SaveCadence:
         'interruptions': self.history.interruptions, 'exposure_s': round(exposure, 3),
         'prior_mtbi_s': self.options.mtbi_s, 'durable_s': round(self.durable_s, 6), **measured
     }
-    self.runlog.event('cadence', step=step, **fields)
+    self.runlog.event('cadence', step=step, tier='local', **fields)
     p = self.plan
     self.runlog.status(
         cadence={
@@ -333,14 +335,8 @@ class SaveCadence:
     logging.info(
         'cadence: a checkpoint every %d steps (%s, %s): δ %.3g s%s, M %s (%d interruption(s) '
         'in %s), overhead %.2g%%, %s lost per interruption', p.interval_steps,
-        human(p.interval_s), p.bound, p.delta_s, '' if self.delta_measured else ' (a guess)',
-        human(p.mtbi_s), self.history.interruptions, human(exposure), p.overhead_pct,
-        human(p.lost_s))
-
-
-def human(seconds: float) -> str:
-  """`0.31s`, `57m`, `6.0h`, `30d`: a duration as a person reads it."""
-  for unit, size in (('d', 86400), ('h', 3600), ('m', 60)):
-    if seconds >= 2 * size:
-      return f'{seconds / size:.3g}{unit}'
-  return f'{seconds:.3g}s'
+        cadence.human(p.interval_s), p.bound, p.delta_s,
+        '' if self.delta_measured else ' (a guess)', cadence.human(p.mtbi_s),
+        self.history.interruptions, cadence.human(exposure), p.overhead_pct,
+        cadence.human(p.lost_s))
+    self.on_plan(p, step)

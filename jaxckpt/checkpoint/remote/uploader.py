@@ -111,6 +111,11 @@ class Uploader:
       steps = [s for s in (self._busy_step, self._pending and self._pending[0]) if s is not None]
       return max(steps) if steps else None
 
+  def holding(self) -> set[int]:
+    """The steps whose local directories it is reading or will read: keep them until then."""
+    with self._cv:
+      return {s for s in (self._busy_step, self._pending and self._pending[0]) if s is not None}
+
   def durable(self, step: int) -> bool:
     return self.remote_step is not None and self.remote_step >= step
 

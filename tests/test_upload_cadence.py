@@ -1,0 +1,93 @@
+"""`--remote_every`: which local checkpoints go to the remote (the second cadence of
+`--replicas`), and the local retention that leaves a checkpoint alone while it is uploaded.
+
+The 3-process run with `--replicas=1 --remote_every=3` is in test_peers_training.py."""
+
+import jax.numpy as jnp
+import pytest
+from conftest import committed_steps, events_of, remote_steps, tiny_config
+
+from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, cadence
+from jaxckpt.checkpoint.remote import Store
+from jaxckpt.errors import ConfigError
+from jaxckpt.hosts import distributed
+from jaxckpt.hosts.upload_cadence import UploadCadence
+from jaxckpt.records.runlog import RunLog, read_status
+from jaxckpt.train.config import validate_config
+
+
+def test_every_third_checkpoint_and_the_last_go_up(trainer, s3_server, tmp_path):
+  url = s3_server.bucket()
+  workdir = tmp_path / 'run'
+  r = trainer.train(workdir, '--config.train.steps=70', '--checkpoint_every=10', '--keep=2',
+                    '--remote_every=3', f'--remote={url}')
+  assert r.returncode == 0, r.stderr
+  assert [e['step'] for e in events_of(workdir, 'uploaded')] == [30, 60, 70]
+  assert remote_steps(Store(url)) == [60, 70]  # the remote's retention follows --keep=2
+  assert committed_steps(workdir) == [60, 70]
+  assert read_status(workdir)['remote_every'] == 3
+  assert f'step 70 is durable in {url}' in r.stderr
+
+
+@pytest.mark.parametrize('field, value', [('remote_every', 0), ('remote_every', 'often'),
+                                          ('remote_every', 1.5), ('remote_mtbi', '-3d')])
+def test_a_bad_remote_cadence_is_a_config_error(field, value):
+  with pytest.raises(ConfigError) as e:
+    validate_config(tiny_config(**{f'checkpoint.{field}': value}))
+  assert e.value.code == 'E-CONFIG-004' and f'--{field}' in e.value.what
+
+
+def test_k_counts_from_the_start_checkpoint_and_the_last_always_goes_up():
+  up = UploadCadence(tiny_config(**{'checkpoint.remote_every': 3}), distributed.Cluster())
+  assert [up.take(s) for s in (10, 20, 30, 40)] == [False, False, True, False]
+  up.started()  # a restart: the checkpoint it continues from was handed over
+  assert [up.take(s) for s in (50, 60, 70)] == [False, False, True]
+  assert up.take(80, last=True)  # the last step of an invocation, or a stop
+
+
+def test_auto_with_replicas_uploads_every_kth_checkpoint_by_daly(tmp_path):
+  config = tiny_config(
+      **{'checkpoint.every': 'auto', 'checkpoint.replicas': 1, 'checkpoint.remote_mtbi': '3d'})
+  runlog = RunLog(tmp_path)
+  up = UploadCadence(config, distributed.Cluster(), runlog)
+  up.uploaded(2.0)
+  local = cadence.plan(delta_s=0.2, mtbi_s=3600.0, step_s=0.1)
+  up.replan(local, 500, state_bytes=1_000_000_000)  # δ_up guessed at 2 s
+  remote = cadence.plan(delta_s=2.0, mtbi_s=3 * 86400.0, step_s=0.1, durable_s=2.0)
+  assert up.k == round(remote.interval_s / local.interval_s) > 1
+  event = events_of(tmp_path, 'cadence')[-1]
+  assert event['tier'] == 'remote' and event['every_checkpoints'] == up.k
+  assert event['upload_s'] == 2.0 and not event['delta_measured']
+  # Without --replicas a lost host has only the remote: every checkpoint goes up.
+  alone = UploadCadence(tiny_config(**{'checkpoint.every': 'auto'}), distributed.Cluster())
+  alone.replan(local, 500, state_bytes=1_000_000_000)
+  assert alone.k == 1 and all(alone.take(s) for s in (1, 2, 3))
+
+
+def test_retention_leaves_a_held_checkpoint_until_it_is_let_go(tmp_path):
+  state = {'w': jnp.arange(8.0)}
+  held = {10}
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=1)) as mgr:
+    mgr.held = lambda: held  # e.g. an upload of step 10 still reading it
+    for step in (10, 20, 30):
+      mgr.save(step, state)
+      mgr.wait_until_finished()
+    assert mgr.all_steps() == [10, 30]
+    held.clear()
+    mgr.save(40, state)
+    mgr.wait_until_finished()
+    assert mgr.all_steps() == [40]
+
+
+def test_across_processes_the_others_upload_the_steps_process_0_planned():
+  """A planned K is process 0's: the other process takes its answer for each step from the job's
+  real key-value store, and uploads its part when no answer comes in time."""
+  from test_remote_ends import _job, _Process
+  config = tiny_config(**{'checkpoint.every': 'auto', 'checkpoint.replicas': 1})
+  with _job(2) as kv:
+    leader, other = (
+        UploadCadence(config, _Process(k, 2, timeout_secs=2, kv=kv[k])) for k in (0, 1))
+    leader.k = 3  # as a plan would set it; process 1 never plans
+    both = [(leader.take(s), other.take(s)) for s in (10, 20, 30, 40, 50, 60)]
+    assert both == [(False, False), (False, False), (True, True)] * 2
+    assert other.take(70)  # process 0 never said: its part is uploaded all the same
