@@ -65,17 +65,19 @@ def _tensorboardx():
   """tensorboardX's event writer, summary builder and Event proto.
 
   Its package `__init__` imports torch when that is installed (for `SummaryWriter`'s type
-  hints): seconds at start-up and a second GPU runtime in a JAX process. torch is kept out.
+  hints): seconds at start-up and a second GPU runtime in a JAX process; and boto3 (0.2 s), for
+  event files on S3, which are never written here. Both are kept out.
   """
-  blocked = 'torch' not in sys.modules
-  if blocked:
-    sys.modules['torch'] = None  # `import torch` raises ImportError, which tensorboardX expects
+  blocked = [name for name in ('torch', 'boto3') if name not in sys.modules]
+  for name in blocked:
+    sys.modules[name] = None  # `import torch` raises ImportError, which tensorboardX expects
   try:
     from tensorboardX import event_file_writer, summary  # pylint: disable=import-outside-toplevel
     from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
   finally:
-    if blocked and sys.modules.get('torch', 0) is None:
-      del sys.modules['torch']
+    for name in blocked:
+      if sys.modules.get(name, 0) is None:
+        del sys.modules[name]
   return event_file_writer, summary, event_pb2
 
 
