@@ -81,7 +81,8 @@ def test_two_processes_with_the_same_id_are_named_not_a_hang(tmp_path, compile_c
   assert 'is in use on this host' in out and 'another process 0 of this job' in out
 
 
-@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    'signum', [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_stop_signal_while_waiting_to_join_exits_at_once(tmp_path, compile_cache, signum):
   [proc] = start_processes(argv(tmp_path, 2), 1, cache=compile_cache)
   try:
