@@ -191,5 +191,24 @@ def test_a_host_that_cannot_write_what_it_is_sent_stops_every_process_together(
     assert 'No space left on device' in text, text[-2000:]
 
 
+def test_a_restore_cut_short_leaves_nothing_half_received_for_the_next(tmp_path):
+  """A SIGKILL during a peer restore can leave a file still being received in a committed step
+  directory; the next restore removes it before anything else, and nothing of the checkpoint."""
+  import jax.numpy as jnp
+
+  from jaxckpt.checkpoint import CheckpointManager, peers
+  with CheckpointManager(tmp_path) as mgr:
+    mgr.save(5, {'w': jnp.arange(8.0)})
+  step_dir = tmp_path / 'step_00000005'
+  kept = sorted(p for p in step_dir.rglob('*') if p.is_file())
+  left = [
+      step_dir / 'state' / 'process_1.safetensors.peer-tmp', step_dir / 'run_state.json.fetch-tmp'
+  ]
+  for path in left:
+    path.write_bytes(b'half')
+  assert sorted(peers.tidy(tmp_path)) == sorted(left)
+  assert sorted(p for p in step_dir.rglob('*') if p.is_file()) == kept
+
+
 if __name__ == '__main__':
   worker(sys.argv[1], int(sys.argv[2]), *sys.argv[3:])

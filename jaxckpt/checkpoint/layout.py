@@ -22,6 +22,9 @@ from .errors import ArgumentError, CheckpointError
 MANIFEST = 'manifest.json'
 STATE_DIR = 'state'
 RUN_STATE = 'run_state.json'
+# Suffixes of a file being received into a step directory by a peer restore (from a peer, from
+# the remote): one a crash left behind is debris (`peers` removes it before the next).
+PEER_TMP, FETCH_TMP = '.peer-tmp', '.fetch-tmp'
 
 _STEP_RE = re.compile(r'^step_(\d{8,})$')
 _DEBRIS_RE = re.compile(r'^step_\d{8,}\.(tmp|deleting)-[0-9a-f]+$')

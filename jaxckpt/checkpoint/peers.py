@@ -84,12 +84,25 @@ def held(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
   return out
 
 
+def tidy(ckpt_dir: Path) -> list[Path]:
+  """Removes the files an earlier peer restore, cut short, left half-received in committed step
+  directories (a step directory it never committed is the manager's debris); returns them."""
+  left = [
+      p for d in layout.committed_steps(ckpt_dir).values()
+      for suffix in (layout.PEER_TMP, layout.FETCH_TMP) for p in d.rglob(f'*{suffix}')
+  ]
+  for path in left:
+    path.unlink(missing_ok=True)
+  return left
+
+
 def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
                 remote: Remote | None) -> Restored | None:
   """Brings this process's step directory of the newest checkpoint the job's processes (and
   the remote) hold between them to what its devices need for `target`; None on every process
   when there is none (the caller then takes the remote's newest whole). Every process calls it."""
   what = 'a restore from the peers'
+  tidy(ckpt_dir)
   posts = group.collect('peers/held', what, json.dumps(held(ckpt_dir)))
   views = [json.loads(p) for p in posts] if group.leader else []
   tried: set[tuple[int, str]] = set()

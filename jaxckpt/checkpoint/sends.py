@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from . import layout
 from .checksum import crc32
 from .errors import CheckpointError
 
@@ -103,7 +104,7 @@ def _round(perm, size: int, source: tuple[Path, int] | None,
   process's problem (None: what it received is in place, checked); it never leaves early."""
   count = -(-size // WINDOW)
   zeros = np.zeros(WINDOW, np.uint8)
-  tmp = None if into is None else into[0].with_name(into[0].name + '.peer-tmp')
+  tmp = None if into is None else into[0].with_name(into[0].name + layout.PEER_TMP)
   crc, wrote, problems = [0], [0], []
   fin = fout = None
 

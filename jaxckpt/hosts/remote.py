@@ -221,12 +221,10 @@ class RemoteRun:
   def capture(self, step: int, *, last: bool = False) -> None:
     """Called by `save(step)` before the checkpoint is handed over: these records travel with
     it. `last`: no save follows (the last step, a stop): `finish` takes them, after the end
-    record, and uploads the checkpoint then."""
-    if not self.leader:  # the others upload their part of the state alone
-      return
+    record, and uploads the checkpoint then: on every process, whatever `--remote_every` says."""
     if last:
       self._last_records.add(step)
-    else:
+    elif self.leader:  # the others upload their part of the state alone
       self._records[step] = self.capture_now()
 
   def on_commit(self, info: CommitInfo) -> None:

@@ -49,7 +49,7 @@ def fetch_files(store: Store,
           'is taken')
     path = layout.safe_member(step_dir, rel)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + '.fetch-tmp')
+    tmp = path.with_name(path.name + layout.FETCH_TMP)
     try:
       objects.fetch_file(store, prefix, rel, m['files'][rel], meta['part_bytes'], tmp,
                          objects.PARALLEL, lambda n: None, f'{where}/{rel}', 'restart the job')
