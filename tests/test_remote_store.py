@@ -167,13 +167,15 @@ def test_a_rotted_local_copy_is_never_uploaded(s3_server, local_checkpoint, tmp_
   assert state_file(got).read_bytes() == state_file(good).read_bytes()
 
   events = []  # the uploader: an event naming the file, and no retry (it cannot get better)
-  uploader = Uploader(Store(s3_server.bucket()), on_event=lambda name, **f: events.append(f))
+  uploader = Uploader(
+      Store(s3_server.bucket()), on_event=lambda name, **f: events.append((name, f)))
   try:
     uploader.submit(2, rotted)
     assert not uploader.wait(2, timeout=30)
   finally:
     uploader.close()
-  assert [e['error'][:11] for e in events] == ['E-STORE-013']
+  assert [name for name, _ in events] == ['upload_started', 'upload_failed']
+  assert events[1][1]['error'][:11] == 'E-STORE-013'
   assert not objects.committed(uploader.store)
 
 

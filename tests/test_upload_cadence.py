@@ -91,3 +91,22 @@ def test_across_processes_the_others_upload_the_steps_process_0_planned():
     both = [(leader.take(s), other.take(s)) for s in (10, 20, 30, 40, 50, 60)]
     assert both == [(False, False), (False, False), (True, True)] * 2
     assert other.take(70)  # process 0 never said: its part is uploaded all the same
+
+
+def test_the_cost_of_an_upload_is_measured_against_the_loops_step_boundaries():
+  """δ_up: the loop's time across an upload, less its steps at the clean step time and less
+  what local saves cost meanwhile; the plan then says it is measured."""
+  config = tiny_config(**{'checkpoint.every': 'auto', 'checkpoint.replicas': 1})
+  up = UploadCadence(config, distributed.Cluster())
+  position = [(100.0, 1000, 5.0)]
+  up.watch(lambda: position[0], lambda: 0.1)
+  up.upload_started()
+  position[0] = (112.0, 1100, 6.5)  # 100 steps in 12 s: 10 s of steps, 1.5 s of local saves
+  up.uploaded(11.0)
+  assert up.delta_s == pytest.approx(0.5) and up.upload_s == 11.0
+  up.replan(cadence.plan(delta_s=0.2, mtbi_s=3600.0, step_s=0.1), 1100, state_bytes=10**9)
+  assert up.plan.delta_s == pytest.approx(0.5)
+  up.upload_started()
+  position[0] = (112.5, 1100, 6.5)  # no step ended while it ran: no sample
+  up.uploaded(0.5)
+  assert up.delta_s == pytest.approx(0.5)

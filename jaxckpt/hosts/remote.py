@@ -278,6 +278,9 @@ class RemoteRun:
     }
 
   def _on_event(self, name: str, **fields) -> None:
+    if name == 'upload_started':  # for the remote cadence's δ_up alone: not a record
+      self.cadence.upload_started()
+      return
     if name == 'uploaded':
       self.cadence.uploaded(fields.get('seconds', 0.0))
     if self._runlog is not None:

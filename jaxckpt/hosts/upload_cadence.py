@@ -9,9 +9,12 @@ cannot: the whole job, or R+1 neighbouring hosts, lost at once (mean time `--rem
 - `--remote_every=auto` (the default): K = 1, except with `--replicas` and
   `--checkpoint_every=auto`: K = round(T_remote / T_local), T_local the local cadence's interval
   and T_remote Daly's (`cadence.plan`) for δ_up, what an upload costs the loop, and M =
-  `--remote_mtbi`, never shorter than the last upload took. δ_up is a guess from the state's
-  size (`PRIOR_UPLOAD_COST_BYTES_PER_S`); the upload's duration is measured. Each plan is a
-  `cadence` event with `tier: "remote"` (the local one's say `tier: "local"`).
+  `--remote_mtbi`, never shorter than the last upload took. δ_up is measured as the local one
+  is: the loop's time from the step boundary before an upload starts to the one after it ends,
+  less the steps it ran at the clean step time and less what the local saves in that window
+  cost (`SaveCadence.position`), smoothed; a guess from the state's size until an upload is
+  measured (`PRIOR_UPLOAD_COST_BYTES_PER_S`). Each plan is a `cadence` event with
+  `tier: "remote"` (the local one's say `tier: "local"`).
 - Whatever K is, the checkpoint a start continues from and the last of each invocation (its last
   step, a stop) are uploaded: `RemoteRun` hands those over itself.
 
@@ -24,7 +27,7 @@ tidied by the remote retention, a part missing would hold the commit back).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 
@@ -77,6 +80,12 @@ class UploadCadence:
     self.plan: cadence.Plan | None = None
     self._since = 0  # commits since the last one that went up
     self._posted: list[int] = []  # the steps process 0 answered for, the last two
+    self.delta_s: float | None = None  # δ_up, measured (None: not yet)
+    # (time, step, loop seconds the local saves cost so far) at the loop's last step boundary,
+    # and its clean step time: `watch`.
+    self._position: Callable[[], tuple[float, int, float]] | None = None
+    self._step_s: Callable[[], float | None] = lambda: None
+    self._began: tuple[float, int, float] | None = None  # the position as an upload started
 
   def started(self) -> None:
     """The checkpoint the run continues from was handed over: K counts from it."""
@@ -110,14 +119,33 @@ class UploadCadence:
           "process's part", self.cluster.timeout_secs, step)
       return True
 
+  def watch(self, position: Callable[[], tuple[float, int, float]],
+            step_s: Callable[[], float | None]) -> None:
+    """Measure δ_up against the loop's step boundaries (the local cadence's `position`)."""
+    self._position, self._step_s = position, step_s
+
+  def upload_started(self) -> None:
+    self._began = self._position() if self._position is not None else None
+
   def uploaded(self, seconds: float) -> None:
+    """An upload ended after `seconds`: the floor of T_remote, and a sample of δ_up."""
     self.upload_s = max(0.0, float(seconds))
+    began, self._began = self._began, None
+    step_s = self._step_s()
+    if began is None or self._position is None or not step_s:
+      return
+    (t0, s0, spent0), (t1, s1, spent1) = began, self._position()
+    if s1 <= s0:
+      return  # no step ended while it ran: nothing to compare
+    sample = cadence.write_slowdown(t1 - t0, s1 - s0, step_s) - (spent1 - spent0)
+    self.delta_s = cadence.smooth(self.delta_s, max(0.0, sample))
 
   def replan(self, local: cadence.Plan, step: int, state_bytes: int) -> None:
     """After each plan of the local cadence (auto): K for its interval, a `cadence` event."""
     if not self.planned or (self.cluster.count > 1 and not self.cluster.leader):
       return
-    delta = state_bytes / PRIOR_UPLOAD_COST_BYTES_PER_S
+    measured = self.delta_s is not None
+    delta = self.delta_s if measured else state_bytes / PRIOR_UPLOAD_COST_BYTES_PER_S
     self.plan = cadence.plan(delta, self.mtbi_s, local.step_s, durable_s=self.upload_s)
     self.k = max(1, round(self.plan.interval_s / max(local.interval_s, 1e-9)))
     if self.runlog is not None:
@@ -127,9 +155,9 @@ class UploadCadence:
           tier='remote',
           every_checkpoints=self.k,
           upload_s=round(self.upload_s, 6),
-          delta_measured=False,
+          delta_measured=measured,
           **self.plan.as_dict())
     logging.info(
-        'remote cadence: every %d checkpoint(s), about %s (%s): δ_up %.3g s (a guess), M %s, '
+        'remote cadence: every %d checkpoint(s), about %s (%s): δ_up %.3g s%s, M %s, '
         'last upload %.3g s', self.k, cadence.human(self.k * local.interval_s), self.plan.bound,
-        delta, cadence.human(self.mtbi_s), self.upload_s)
+        delta, '' if measured else ' (a guess)', cadence.human(self.mtbi_s), self.upload_s)

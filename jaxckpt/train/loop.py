@@ -216,6 +216,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       mgr.held = remote.uploader.holding  # a checkpoint being uploaded outlives retention
       nbytes = tree_nbytes(trainer.abstract_state())
       cadence.on_plan = lambda plan, step: remote.cadence.replan(plan, step, nbytes)
+      remote.cadence.watch(lambda: cadence.position, lambda: cadence.step_s)
     if lock.previous_holder:
       runlog.event('lock_taken_over', previous=lock.previous_holder)
       logging.info('took over the lock of pid %s (not running)', lock.previous_holder.get('pid'))

@@ -155,6 +155,10 @@ class SaveCadence:
     self._write: _Write | None = None
     self._saving_at = 0.0
     self._aside_s = 0.0  # time inside this save that is not its cost
+    # (time, step, loop seconds the measured saves cost so far) at the last step boundary: what
+    # a second cadence (the remote's) measures its own cost against.
+    self.position: tuple[float, int, float] = (clock(), 0, 0.0)
+    self._spent_s = 0.0
     # Told each plan, for a second cadence that counts in these checkpoints (the remote's).
     self.on_plan: Callable[[cadence.Plan, int], None] = lambda plan, step: None
 
@@ -177,6 +181,7 @@ class SaveCadence:
     self._metrics = metrics
     if not self.auto:
       return
+    self.position = (self.clock(), step, self._spent_s)
     if self._clean is None and self._write is None:
       if self.durable():  # compiled, and no upload in flight (one from the start, a failed save)
         self._clean = (self._sync(), step)
@@ -307,6 +312,7 @@ class SaveCadence:
     slowdown = cadence.write_slowdown(t - write.time, step -
                                       write.step, self.step_s) if self.step_s else 0.0
     sample = write.blocked_s + slowdown
+    self._spent_s += sample
     self.delta_s = cadence.smooth(self.delta_s if self.delta_measured else None, sample)
     self.delta_measured = True
     self._replan(step, blocked_s=round(write.blocked_s, 6), slowdown_s=round(slowdown, 6))

@@ -39,8 +39,8 @@ _BACKOFF = (1.0, 30.0)
 class Uploader:
   """Uploads committed checkpoints to `store` on its own thread.
 
-  `on_event(name, **fields)` hears `uploaded`, `upload_failed`, `remote_retention` and
-  `lease_lost` (called on the uploader's thread). `remote_step` is the newest step this
+  `on_event(name, **fields)` hears `upload_started`, `uploaded`, `upload_failed`,
+  `remote_retention` and `lease_lost` (called on the uploader's thread). `remote_step` is the newest step this
   uploader made durable: committed remotely, or found there as it is (`objects.holds`: the
   checkpoint the run was downloaded from). Never what the store held when the run started: a
   replay's steps are not durable until they are uploaded. On a process other than 0 (`parts`),
@@ -218,6 +218,7 @@ class Uploader:
     if holds(self.store, step_dir):  # downloaded from the remote, or uploaded before: durable
       self._uploaded(step, 0, time.monotonic() - t0, epoch)
       return
+    self._on_event('upload_started', step=step)
     if parts is not None and not parts.leader:
       self._stop_asked = -float('inf')
       self._may_write(self.store.url)
