@@ -55,7 +55,7 @@ def test_a_wiped_host_comes_back_from_its_peer_and_the_run_is_bit_identical(
     assert names == {f'process_{k}.safetensors', f'process_{(k - 1) % COUNT}.safetensors'}
 
   shutil.rmtree(hosts[1])  # host 1's VM is replaced; hosts 0 and 2 keep their disks
-  # Processes 1 and 2 uploaded their parts of the steps process 0 said: the remote's first is 15.
+  # Processes 1 and 2 uploaded their parts of the steps process 0 said: the first is 15, not 5.
   assert [e['step'] for e in events_of(hosts[0], 'uploaded')][:1] == [15]
   _train(compile_cache, tmp_path / 'host{k}', *tiers)
   resumed = events_of(hosts[0], 'resumed')[-1]

@@ -16,16 +16,18 @@ from jaxckpt.records.runlog import RunLog, read_status
 from jaxckpt.train.config import validate_config
 
 
-def test_every_third_checkpoint_and_the_last_go_up(trainer, s3_server, tmp_path):
+def test_every_third_checkpoint_one_kept_for_good_and_the_last_go_up(trainer, s3_server, tmp_path):
   url = s3_server.bucket()
   workdir = tmp_path / 'run'
   r = trainer.train(workdir, '--config.train.steps=70', '--checkpoint_every=10', '--keep=2',
-                    '--remote_every=3', f'--remote={url}')
+                    '--keep_every=40', '--remote_every=3', f'--remote={url}')
   assert r.returncode == 0, r.stderr
-  assert [e['step'] for e in events_of(workdir, 'uploaded')] == [30, 60, 70]
-  assert remote_steps(Store(url)) == [60, 70]  # the remote's retention follows --keep=2
-  assert committed_steps(workdir) == [60, 70]
+  # 30: the third; 40: kept for good (K counts from it); 70: the last.
+  assert [e['step'] for e in events_of(workdir, 'uploaded')] == [30, 40, 70]
+  assert remote_steps(Store(url)) == [40, 70]  # the remote's retention follows --keep=2
+  assert committed_steps(workdir) == [40, 60, 70]
   assert read_status(workdir)['remote_every'] == 3
+  assert 'upload every 3 checkpoints' in r.stderr  # the progress line
   assert f'step 70 is durable in {url}' in r.stderr
 
 
@@ -42,7 +44,8 @@ def test_k_counts_from_the_start_checkpoint_and_the_last_always_goes_up():
   assert [up.take(s) for s in (10, 20, 30, 40)] == [False, False, True, False]
   up.started()  # a restart: the checkpoint it continues from was handed over
   assert [up.take(s) for s in (50, 60, 70)] == [False, False, True]
-  assert up.take(80, last=True)  # the last step of an invocation, or a stop
+  assert up.take(80, always=True)  # the last step of an invocation, a stop, or kept for good
+  assert [up.take(s) for s in (90, 100, 110)] == [False, False, True]  # counted from it
 
 
 def test_auto_with_replicas_uploads_every_kth_checkpoint_by_daly(tmp_path):
@@ -79,18 +82,37 @@ def test_retention_leaves_a_held_checkpoint_until_it_is_let_go(tmp_path):
     assert mgr.all_steps() == [40]
 
 
-def test_across_processes_the_others_upload_the_steps_process_0_planned():
-  """A planned K is process 0's: the other process takes its answer for each step from the job's
-  real key-value store, and uploads its part when no answer comes in time."""
+@pytest.mark.parametrize(
+    'fields',
+    [{'checkpoint.remote_every': 3}, {'checkpoint.every': 'auto', 'checkpoint.replicas': 1}],
+    ids=['fixed', 'planned'])
+def test_across_processes_the_others_upload_the_steps_process_0_says(fields):
+  """Process 0 counts for every process (K fixed or planned): the other takes its answer for each
+  step from the job's real key-value store, and uploads its part when none comes in time."""
   from test_remote_ends import _job, _Process
-  config = tiny_config(**{'checkpoint.every': 'auto', 'checkpoint.replicas': 1})
+  config = tiny_config(**fields)
   with _job(2) as kv:
     leader, other = (
         UploadCadence(config, _Process(k, 2, timeout_secs=2, kv=kv[k])) for k in (0, 1))
-    leader.k = 3  # as a plan would set it; process 1 never plans
+    leader.k = 3  # a plan's K, or the flag's; process 1 never plans
     both = [(leader.take(s), other.take(s)) for s in (10, 20, 30, 40, 50, 60)]
     assert both == [(False, False), (False, False), (True, True)] * 2
-    assert other.take(70)  # process 0 never said: its part is uploaded all the same
+    assert other.take(70, always=True)  # the last: no word needed
+    assert other.take(80)  # process 0 never said: its part is uploaded all the same
+
+
+def test_auto_keeps_saving_while_only_every_third_checkpoint_goes_up(trainer, s3_server, tmp_path):
+  """Without --replicas the automatic cadence waits for the last checkpoint sent to be durable,
+  not for one that --remote_every passed over (which never will be)."""
+  url = s3_server.bucket()
+  r = trainer.train(tmp_path, '--checkpoint_every=auto', '--checkpoint_mtbi=60s',
+                    '--config.train.steps=500', '--config.train.log_every=50', '--remote_every=3',
+                    f'--remote={url}')
+  assert r.returncode == 0, r.stderr
+  saves = [e['step'] for e in events_of(tmp_path, 'checkpoint')]
+  uploaded = [e['step'] for e in events_of(tmp_path, 'uploaded')]
+  assert len(saves) >= 4, saves  # on after the 1st, which did not go up (and never will)
+  assert uploaded == saves[2:-1:3] + [500], (saves, uploaded)
 
 
 def test_the_cost_of_an_upload_is_measured_against_the_loops_step_boundaries():

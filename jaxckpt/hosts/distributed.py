@@ -225,7 +225,7 @@ class _Follower:
     self.workdir = workdir
 
   def __enter__(self):
-    word = _wait(_cluster, f'{_PREFIX}/lock', 'the workdir lock')
+    word = wait_word(_cluster, f'{_PREFIX}/lock', 'the workdir lock')
     if word != 'ok':
       raise UsageError('E-LOCK-001', f'process 0 could not take the lock of {self.workdir}: {word}',
                        'one workdir has one run (of any number of processes)')
@@ -270,9 +270,9 @@ def _decide(name: str, value: str, decide: Callable[[list[str]], str]) -> str:
   client, key = _cluster.client(), f'{_PREFIX}/{name}'
   if not _cluster.leader:
     client.key_value_set(f'{key}/{_cluster.index}', value, allow_overwrite=True)
-    return _wait(_cluster, f'{key}/answer', f"{name} (process 0's answer)")
+    return wait_word(_cluster, f'{key}/answer', f"{name} (process 0's answer)")
   values = [value] + [
-      _wait(_cluster, f'{key}/{k}', f'{name} (process {k})') for k in range(1, _cluster.count)
+      wait_word(_cluster, f'{key}/{k}', f'{name} (process {k})') for k in range(1, _cluster.count)
   ]
   answer = decide(values)
   client.key_value_set(f'{key}/answer', answer, allow_overwrite=True)
@@ -319,8 +319,10 @@ def shared_workdir(workdir: Path, *, remote: bool, config) -> bool:
   return joining.shared_workdir(_cluster, workdir, remote=remote, config=config)
 
 
-def _wait(cluster: Cluster, key: str, what: str) -> str:
-  # In slices: a process that failed at start (`Watchdog`) ends the wait at once.
+def wait_word(cluster: Cluster, key: str, what: str) -> str:
+  """The value another process posts at `key`, waited for at most `cluster.timeout_secs`, in
+  slices: a process that failed at start (`Watchdog`) ends the wait at once. E-DIST-005 names
+  `what` after the timeout."""
   deadline = time.monotonic() + cluster.timeout_secs
   while True:
     if _peer_stopped:

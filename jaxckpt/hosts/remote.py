@@ -84,6 +84,7 @@ class RemoteRun:
     self._last_records: set[int] = set()  # steps whose records are taken at `finish`
     self._held: tuple[int, Path] | None = None  # the last commit, uploaded by `finish`
     self._unsent: tuple[int, Path] | None = None  # the last commit, if the cadence passed it
+    self._last_sent: int | None = None  # the newest step handed to the uploader
     self._committed: tuple[float, int | None] = (-float('inf'), None)  # process 0's word, when
 
   @classmethod
@@ -200,7 +201,7 @@ class RemoteRun:
     if step is None or path.parent.resolve() != Path(ckpt_dir).resolve():
       self._last_local = None  # a fresh start, or a .bin: no checkpoint of this run yet
       return
-    self._last_local = step
+    self._last_local = self._last_sent = step
     self.uploader.submit(step, path, self.capture_now())  # found there as it is: no upload
     self.cadence.started()
 
@@ -229,16 +230,19 @@ class RemoteRun:
 
   def on_commit(self, info: CommitInfo) -> None:
     self._last_local, self._held, self._unsent = info.step, None, None
+    for step in [s for s in self._records if s < info.step]:
+      del self._records[step]  # a save that failed: its records will not be needed
     last = info.step in self._last_records
-    if not self.cadence.take(info.step, last=last):  # `--remote_every`: not this one
-      self._unsent = (info.step, info.path)
+    every = self.config.checkpoint.get('keep_every', 0)  # kept for good locally: remotely too
+    if not self.cadence.take(info.step, always=last or (every > 0 and info.step % every == 0)):
+      self._unsent = (info.step, info.path)  # `--remote_every`: not this one
       self._records.pop(info.step, None)
-    elif last:
+      return
+    self._last_sent = info.step
+    if last:
       self._held = (info.step, info.path)  # `finish` is moments away: the end record first
     else:
       self.uploader.submit(info.step, info.path, self._records.pop(info.step, None))
-    for step in [s for s in self._records if s < info.step]:
-      del self._records[step]  # a save that failed: its records will not be needed
 
   def durable(self, step: int) -> bool:
     """Whether `step` is committed remotely: on a process other than 0, its part is up and
@@ -265,8 +269,8 @@ class RemoteRun:
     committed alone: a commit holds the peers' copies, which cover a lost host."""
     if self.replicas:
       return committed
-    return lambda: committed() and (self._last_local is None or self.uploader.error is not None or
-                                    self.durable(self._last_local))
+    return lambda: committed() and (self._last_sent is None or self.uploader.error is not None or
+                                    self.durable(self._last_sent))
 
   def status(self) -> dict[str, Any]:
     remote = self.uploader.remote_step if self.uploader else self.start_step
@@ -307,7 +311,7 @@ class RemoteRun:
       self._held = None
     elif self._unsent is not None and self._unsent[0] == step:  # an end the loop did not see
       self.uploader.submit(*self._unsent, self.capture_now())  # (a failure): it goes up too
-      self._unsent = None
+      self._last_sent, self._unsent = step, None
     grace = self.config.checkpoint.stop_grace_secs if stopping else FINISH_SECS
     deadline = time.monotonic() + grace
     if not self.uploader.durable(step):

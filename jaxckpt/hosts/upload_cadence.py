@@ -15,14 +15,15 @@ cannot: the whole job, or R+1 neighbouring hosts, lost at once (mean time `--rem
   cost (`SaveCadence.position`), smoothed; a guess from the state's size until an upload is
   measured (`PRIOR_UPLOAD_COST_BYTES_PER_S`). Each plan is a `cadence` event with
   `tier: "remote"` (the local one's say `tier: "local"`).
-- Whatever K is, the checkpoint a start continues from and the last of each invocation (its last
-  step, a stop) are uploaded: `RemoteRun` hands those over itself.
+- Whatever K is, the checkpoint a start continues from, the last of each invocation (its last
+  step, a stop) and a step kept for good (`--keep_every`) are uploaded.
 
-Across processes a fixed K needs no word: every process counts the same commits from the same
-start. A planned K is process 0's alone (its measurements): it decides each commit and posts the
-answer in the job's key-value store, and every other process uploads its part of exactly those
-steps, waiting for the answer at most the job's timeout (then it uploads: a part too many is
-tidied by the remote retention, a part missing would hold the commit back).
+Across processes (K > 1, or planned) process 0 decides each commit and posts the answer in the
+job's key-value store (one count, whatever a save that failed on one process did to the
+others'), and every other process uploads its part of exactly those steps, waiting for the
+answer at most the job's timeout (then it uploads: a part too many is tidied by the remote
+retention, a part missing would hold the commit back). K = 1, the last checkpoint and a step
+kept for good (`keep_every`) need no word.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from typing import Any, Callable
 from absl import logging
 
 from jaxckpt.checkpoint import ArgumentError, cadence
-from jaxckpt.errors import ConfigError
+from jaxckpt.errors import ConfigError, JaxckptError
 from jaxckpt.hosts import distributed
 
 # δ_up before it is measured: the loop time one upload cost andrea_12m (0.303 s for 154 MB, the
@@ -91,32 +92,41 @@ class UploadCadence:
     """The checkpoint the run continues from was handed over: K counts from it."""
     self._since = 0
 
-  def take(self, step: int, *, last: bool = False) -> bool:
-    """Whether local commit `step` is uploaded; the same answer on every process."""
-    word = self.planned and self.cluster.count > 1  # process 0's K: its answer, posted
-    if word and not self.cluster.leader:
+  def take(self, step: int, *, always: bool = False) -> bool:
+    """Whether local commit `step` is uploaded; the same answer on every process. `always`: the
+    caller knows it goes up (the last of an invocation, a step kept for good), on every process."""
+    if always or (self.k == 1 and not self.planned):
+      self._since = 0
+      return True
+    many = self.cluster.count > 1  # then process 0 answers for every process: one count
+    if many and not self.cluster.leader:
       return self._asked(step)
     self._since += 1
-    up = last or self._since >= self.k
+    up = self._since >= self.k
     if up:
       self._since = 0
-    if word:
+    if many:
       try:
-        self.cluster.client().key_value_set(
-            f'{_DECIDED}{step}', '1' if up else '0', allow_overwrite=True)
+        client = self.cluster.client()
+        client.key_value_set(f'{_DECIDED}{step}', '1' if up else '0', allow_overwrite=True)
+        self._posted.append(step)
+        if len(self._posted) > 2:  # the others read it at their commit of that step, long ago
+          client.key_value_delete(f'{_DECIDED}{self._posted.pop(0)}')
       except Exception as e:  # pylint: disable=broad-except  # they wait, then upload anyway
         logging.warning('could not tell the other processes whether step %d is uploaded: %s', step,
                         e)
     return up
 
+  def note(self) -> str:
+    """For the progress line, when not every checkpoint goes up."""
+    return f'  upload every {self.k} checkpoints' if self.k > 1 else ''
+
   def _asked(self, step: int) -> bool:
-    wait_ms = int(self.cluster.timeout_secs * 1000)
     try:
-      return self.cluster.client().blocking_key_value_get(f'{_DECIDED}{step}', wait_ms) == '1'
-    except Exception:  # pylint: disable=broad-except  # the runtime's own error types
-      logging.warning(
-          'process 0 did not say within %g s whether step %d is uploaded: uploading this '
-          "process's part", self.cluster.timeout_secs, step)
+      return distributed.wait_word(self.cluster, f'{_DECIDED}{step}',
+                                   f'whether step {step} is uploaded (process 0)') == '1'
+    except JaxckptError as e:
+      logging.warning("%s: uploading this process's part of step %d all the same", e.line(), step)
       return True
 
   def watch(self, position: Callable[[], tuple[float, int, float]],

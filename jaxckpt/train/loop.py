@@ -284,7 +284,8 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
   trainer, dataset, mgr, runlog, watcher = (session.trainer, session.dataset, session.mgr,
                                             session.runlog, session.watcher)
   config, total = trainer.config, trainer.config.train.steps
-  progress = _Progress(trainer, runlog, step, cadence.note)
+  uploads = session.remote.cadence.note if session.remote else lambda: ''
+  progress = _Progress(trainer, runlog, step, lambda: cadence.note() + uploads())
   first_step = step
   cadence.start(step)  # the interval counts from here
   if step >= total:

@@ -306,6 +306,7 @@ class SaveCadence:
     if self.beyond_commit:  # durable once uploaded too: seen at this step boundary
       self.durable_s = max(self.durable_s, t - write.started)
     if not write.measured:
+      self._spent_s += write.blocked_s  # not a sample of δ, but the loop's time all the same
       if self.plan is None:  # it came before the step time was measured (SIGUSR1, an epoch)
         self._replan(step)
       return
