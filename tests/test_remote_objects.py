@@ -27,6 +27,7 @@ def test_a_failed_upload_closes_every_file_it_opened(tmp_path):
   assert len(files) >= 2, files  # one opens before the missing one is tried
   (step_dir / files[-1]).unlink()
   store = Store(str(tmp_path / 'run'))  # tmp_path: the mounted disk
+  gc.collect()  # what earlier tests left to the collector closes now, not inside the count
   before = open_descriptors()
   # CPython's refcounting closes a dropped file object at once, but as a leak: with a
   # ResourceWarning (elsewhere, or with a reference kept, the descriptor stays open).
@@ -36,6 +37,8 @@ def test_a_failed_upload_closes_every_file_it_opened(tmp_path):
       with pytest.raises(FileNotFoundError):
         objects.upload(store, step_dir, {})
     gc.collect()
-  assert open_descriptors() == before
+  # Never more: 20 retries that each kept one would be 20 more. Fewer is this process's other
+  # connections (the session's servers) closing meanwhile.
+  assert open_descriptors() <= before
   assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
   assert objects.committed(store) == {}  # nothing half-uploaded looks committed
