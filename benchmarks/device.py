@@ -14,6 +14,9 @@ why) in OUT/device.json as soon as it ends:
    checkpoint must equal the uninterrupted run's byte for byte (deterministic GPU ops on).
 5. blocking: what `save()` blocks for with host and with device staging, against a device-side
    copy of the state, a device-to-host copy, and orbax's async save, in one process.
+6. bound: tokens/s with the loop's bound on steps in flight (2, the default) against without it,
+   in alternating blocks of steps in one process (`benchmarks.stop_latency.paired_throughput`):
+   the goal is a cost under 1%, which 2 shared CPU cores cannot resolve.
 
 Nothing here assumes a CPU; on one it runs too (slowly: pass --steps to shrink).
 """
@@ -63,6 +66,7 @@ def main(argv=None) -> int:
     runs = report.step('train', 200, train_on_off, env, work, args.config, args.steps)
     report.step('resume', 150, kill_and_resume, env, work, args.config, args.steps, runs)
     report.step('blocking', 120, blocking, args.config)
+    report.step('bound', 90, steps_in_flight, args.config)
   finally:
     shutil.rmtree(work, ignore_errors=True)
   report.table()
@@ -227,6 +231,13 @@ def kill_and_resume(env: dict, work: Path, config: str, steps: int, runs: dict |
 
 def _state_bytes(step_dir: Path) -> bytes:
   return b''.join(p.read_bytes() for p in sorted((step_dir / 'state').iterdir()))
+
+
+def steps_in_flight(config: str) -> dict:
+  from benchmarks.stop_latency import paired_throughput
+  row = paired_throughput(Path(config).stem, rounds=8, block_steps=20)
+  print(json.dumps(row, indent=1, default=str), flush=True)
+  return row
 
 
 def blocking(config: str) -> dict:

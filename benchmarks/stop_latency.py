@@ -21,6 +21,10 @@ that a step is long against its dispatch, as on an accelerator) and andrea_12m a
 Every subprocess shares one compilation cache (the first run of each config fills it).
 Writes benchmarks/results/stop_latency.json (with `--log_every_none`, throughput alone:
 stop_latency_throughput.json).
+
+- paired throughput (`--paired`): the same ratio measured in one process, where the spread
+  between runs cannot hide a 1% cost: the trainer's own `train_step` in alternating blocks with
+  the loop's `StepsInFlight` at 2 and at 0 (stop_latency_paired.json).
 """
 
 import argparse
@@ -137,6 +141,68 @@ def throughput_run(name: str, bound: int, cache: str, steps: int, warmup: int) -
   return (steps - warmup) * batch * block / (rows[steps] - rows[warmup])
 
 
+def paired_throughput(name: str, rounds: int, block_steps: int, batch: int | None = None) -> dict:
+  """Tokens/s with the bound against without it, in one process: alternating blocks of steps.
+
+    Separate trainer processes differ by ±10% here (memory layout, the other core's load),
+    far more than the bound can cost. In one process the trainer's own jitted `train_step` and
+    `put_batch` run in blocks of `block_steps`, the loop's `StepsInFlight` at 2 or 0, in ABBA
+    order so that drift falls on both; each block starts with nothing in flight and ends when
+    its last state is computed. The figure is the median over rounds of bound-2 tokens/s over
+    bound-0 tokens/s, next to the same ratio for two bound-0 blocks (the noise floor).
+    """
+  import jax
+  import numpy as np
+
+  from jaxckpt.train import state as trainer_lib
+
+  config = get_config(name)
+  if batch or name in SHAPES:  # the config's own batch otherwise (an accelerator's run)
+    config.train.batch_size = batch or int(SHAPES[name][1][0].split('=')[1])
+  trainer = trainer_lib.build_trainer(config)
+  state = trainer.init_fn(jax.random.key(0))
+  rng = np.random.default_rng(0)
+  shape = (config.train.batch_size, config.model.block_size)
+  batches = [
+      (rng.integers(0, config.model.vocab_size, shape, dtype=np.int32),) * 2 for _ in range(4)
+  ]
+  tokens = block_steps * shape[0] * shape[1]
+
+  def block(bound: int) -> float:
+    nonlocal state
+    jax.block_until_ready(state)
+    in_flight = trainer_lib.StepsInFlight(bound)
+    t0 = time.perf_counter()
+    for i in range(block_steps):
+      state, metrics = trainer.train_step(state, trainer.put_batch(batches[i % len(batches)]))
+      in_flight.dispatched(metrics['loss'])
+    jax.block_until_ready(state)
+    return tokens / (time.perf_counter() - t0)
+
+  block(2)  # compiles, and the first steps' allocations
+  ratios, floor, rates = [], [], {2: [], 0: []}
+  for r in range(rounds):
+    order = (2, 0, 0, 2) if r % 2 == 0 else (0, 2, 2, 0)
+    got = {2: [], 0: []}
+    for bound in order:
+      got[bound].append(block(bound))
+    ratios.append(sum(got[2]) / sum(got[0]))
+    floor.append(got[0][0] / got[0][1])
+    for bound in (2, 0):
+      rates[bound] += got[bound]
+    print(
+        f'{name} round {r + 1}/{rounds}: bound 2 / bound 0 = {ratios[-1]:.4f}, '
+        f'bound 0 / bound 0 = {floor[-1]:.4f}',
+        flush=True)
+  quartiles = lambda xs: [float(q) for q in np.percentile(xs, [25, 50, 75])]
+  return {
+      'config': name, 'op': 'paired throughput', 'bound': 2, 'tokens_per_s': median(rates[2]),
+      'tokens_per_s_unbounded': median(rates[0]), 'ratio': median(ratios),
+      'ratio_quartiles': quartiles(ratios), 'noise_floor_quartiles': quartiles(floor),
+      'rounds': rounds, 'block_steps': block_steps, 'ratios': ratios
+  }
+
+
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   ap.add_argument('--configs', default='tiny,12m')
@@ -146,10 +212,27 @@ def main(argv=None) -> None:
   ap.add_argument('--steps', default='tiny=120,12m=40', help='throughput run length')
   ap.add_argument('--warmup', type=int, default=20)
   ap.add_argument('--log_every_none', action='store_true', help='throughput only: no stop runs')
+  ap.add_argument(
+      '--paired',
+      action='store_true',
+      help='tokens/s only, in one process: alternating blocks with the bound and without')
+  ap.add_argument('--rounds', type=int, default=12, help='--paired: ABBA rounds per config')
+  ap.add_argument('--block_steps', default='tiny=16,12m=8', help='--paired: steps per block')
   args = ap.parse_args(argv)
   names = args.configs.split(',')
   steps = dict(kv.split('=') for kv in args.steps.split(','))
   rows = []
+  if args.paired:
+    blocks = dict(kv.split('=') for kv in args.block_steps.split(','))
+    for name in names:
+      rows.append(paired_throughput(name, args.rounds, int(blocks[name])))
+    print()
+    print_table(rows, ['config', 'op', 'tokens_per_s', 'tokens_per_s_unbounded', 'ratio'])
+    path = write_results(
+        'stop_latency_paired', rows,
+        {'shapes': {k: v[1] for k, v in SHAPES.items()}, 'target': f'ratio >= {TARGET_RATIO}'})
+    print(f'wrote {path}')
+    return
   with tempfile.TemporaryDirectory(prefix='stop-cache-') as cache:
     for name in names:
       settle = 8.0 if name == 'tiny' else 30.0

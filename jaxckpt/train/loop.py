@@ -14,7 +14,6 @@ library itself in `jaxckpt.checkpoint`.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import os
@@ -43,8 +42,8 @@ from jaxckpt.train import resume as resume_lib
 from jaxckpt.train.config import cadence_options, checkpoint_options, validate_config
 from jaxckpt.train.save_cadence import SaveCadence, tree_nbytes
 from jaxckpt.train.session import Session
-from jaxckpt.train.state import (Trainer, TrainState, build_trainer, check_finite, evaluate,
-                                 generate_samples, make_schedule)
+from jaxckpt.train.state import (StepsInFlight, Trainer, TrainState, build_trainer, check_finite,
+                                 evaluate, generate_samples, make_schedule)
 
 
 def run_identity(trainer: Trainer,
@@ -339,11 +338,8 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
 
   # Across processes: the same saves and the same stop on every one (`jaxckpt.hosts.agreement`).
   agree = agreement.Agreement(watcher, step, clocked=mgr.options.every_secs > 0)
-  # Steps are dispatched asynchronously. Unbounded, the loop would run up to `log_every` steps
-  # ahead of the devices, and a stop signal, honoured at the step the loop reached, would wait
-  # for all of them. Waiting, after dispatching step k, for step k-1 keeps the devices busy
-  # (step k is queued) and a stop within two step times plus the commit.
-  in_flight, bound = collections.deque(), config.train.get('max_steps_in_flight', 2)
+  # A stop within two step times, whatever log_every is (`StepsInFlight`).
+  in_flight = StepsInFlight(config.train.get('max_steps_in_flight', 2))
   if step < total:  # the first step waits for it: minutes for a large model on a CPU
     logging.info('compiling the train step...')
   while step < total and agree.stop_signal is None:
@@ -351,10 +347,7 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
     state, metrics = trainer.train_step(state, trainer.put_batch(dataset.batch(step, arm)))
     step += 1
     watcher.position = step  # the step a signal arriving now is noted at
-    if bound:
-      in_flight.append(metrics['loss'])
-      while len(in_flight) >= bound:
-        jax.block_until_ready(in_flight.popleft())
+    in_flight.dispatched(metrics['loss'])
     stepwatch.beat(step)
     progress.add(step, metrics)
     cadence.poll(mgr, step)  # a background save that failed is heard here, at once
