@@ -2,7 +2,7 @@
 
 The end state must equal a never-stopped run byte for byte, and no restart may fail. Kills land
 during start-up (restore, compile), during training and while background saves are running
-(a checkpoint every 2 steps, async). The CI version kills 4 times; the long one runs with
+(a checkpoint every 2 steps, async). The CI version kills 3 times; the long one runs with
 `pytest -m slow tests/test_chaos.py` (JAXCKPT_CHAOS_KILLS, default 100).
 """
 

@@ -55,6 +55,7 @@ def _kill_when_uploaded(procs, store, at_least: int = 20) -> int:
   return at_kill
 
 
+@pytest.mark.slow  # the same download and resume across processes as on each host's own disk, below
 def test_two_processes_resume_from_the_remote_on_a_fresh_workdir(tmp_path, compile_cache, s3_server,
                                                                  straight):
   url = s3_server.bucket()

@@ -37,7 +37,10 @@ def _wait_until_stale(store, ttl: float) -> None:
   wait_for(lambda: time.time() - holder['renewed_at'] > ttl + 0.2)
 
 
-@pytest.mark.parametrize('server', ['s3_server', 'gcs_server'])
+# The GCS variant runs with -m slow: the trainer's remote logic is the same on every store, and
+# tests/test_remote_store.py runs the store's own calls on the GCS emulator.
+@pytest.mark.parametrize(
+    'server', ['s3_server', pytest.param('gcs_server', marks=pytest.mark.slow)])
 def test_a_fresh_machine_continues_from_the_remote_bit_exactly(trainer, straight, tmp_path, request,
                                                                server):
   url = request.getfixturevalue(server).bucket()
