@@ -174,7 +174,7 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
     sources = {'own': 0, 'peers': 0, 'remote': fetched}
   else:  # a host that kept its disk reads the files its devices need from it
     m = manifest.read(step_dir)
-    need = multihost.needed_files(m, named_leaves(target), count)[process]
+    need = multihost.needed_files(step_dir, m, named_leaves(target), count)[process]
     sources = {'own': sum(m['files'][r]['size'] for r in need), 'peers': 0, 'remote': 0}
   moved = time.perf_counter()
   mgr = CheckpointManager(step_dir.parent, CheckpointOptions(barrier_timeout_secs=timeout))

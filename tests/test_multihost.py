@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import TINY, assert_same_bytes, finish_processes, start_processes
 
 SPECS = {  # name: (shape, dtype, partition spec over ('data', 'model'))
@@ -114,6 +115,7 @@ def test_four_processes_write_their_shards_once_and_restore_on_two_then_one(
     tmp_path, compile_cache):
   from safetensors.numpy import load_file
 
+  from jaxckpt.checkpoint import CheckpointError
   from jaxckpt.checkpoint.formats import read_host_arrays
   assert_all_ok(run(tmp_path, compile_cache, 'save', 4, '1'), 'saved')
   meta = json.loads((step_dir(tmp_path, 1) / 'manifest.json').read_text())
@@ -122,8 +124,15 @@ def test_four_processes_write_their_shards_once_and_restore_on_two_then_one(
   # Each shard is written once in the whole job, and the four files share the work.
   held = {f: load_file(step_dir(tmp_path, 1) / f) for f in files}
   assert all(held.values()), {f: list(t) for f, t in held.items()}
+  # The shards are in shards.json, covered by the sealed manifest; no tensor row lists them.
+  from jaxckpt.checkpoint import shardtable
+  assert meta['format_version'] == 2 and meta['shard_table'] == 'shards.json'
+  assert meta['files']['shards.json'] == shardtable.entry(
+      (step_dir(tmp_path, 1) / 'shards.json').read_bytes())
+  shards = shardtable.shard_table(step_dir(tmp_path, 1), meta, None)
   for row in meta['tensors']:
-    total = sum(int(np.prod(s['shape'])) for s in row['shards'])
+    assert 'shards' not in row
+    total = sum(int(np.prod(s['shape'])) for s in shards[row['name']])
     assert total == int(np.prod(row['shape'])), row
   # Any reader assembles the arrays from the shards, bytes as saved.
   assert_same_bytes(read_host_arrays(step_dir(tmp_path, 1)), expected())
@@ -135,7 +144,14 @@ def test_four_processes_write_their_shards_once_and_restore_on_two_then_one(
   # One process writes the single-process file, exactly as before.
   meta = json.loads((step_dir(tmp_path, 3) / 'manifest.json').read_text())
   assert 'state_files' not in meta and 'shards' not in meta['tensors'][0]
+  assert meta['format_version'] == 1 and 'shards.json' not in meta['files']
   assert_same_bytes(load_file(step_dir(tmp_path, 3) / 'state/process_0.safetensors'), expected())
+  # A shard table that is not the one the manifest seals is never used: no reader places bytes.
+  table = step_dir(tmp_path, 1) / 'shards.json'
+  table.write_bytes(table.read_bytes().replace(b'"start":[0', b'"start":[1', 1))
+  with pytest.raises(CheckpointError) as e:
+    read_host_arrays(step_dir(tmp_path, 1))
+  assert e.value.code == 'E-CKPT-003' and 'shards.json' in e.value.what
 
 
 def test_one_process_checkpoint_restores_on_two(tmp_path, compile_cache):
@@ -161,7 +177,8 @@ def test_on_each_host_own_disk_each_commits_its_part_under_the_whole_manifest(
   files = [f'state/process_{k}.safetensors' for k in range(2)]
   manifests = [json.loads((h / 'manifest.json').read_text()) for h in hosts]
   for k, (host, meta) in enumerate(zip(hosts, manifests)):
-    assert sorted(meta['files']) == ['run_state.json', *files], meta['files']
+    assert sorted(meta['files']) == ['run_state.json', 'shards.json', *files], meta['files']
+    assert (host / 'shards.json').read_bytes() == (hosts[0] / 'shards.json').read_bytes()
     assert sorted(str(p.relative_to(host)) for p in host.rglob('*.safetensors')) == [files[k]]
   assert manifests[0]['files'] == manifests[1]['files'] and manifests[0]['tensors'] == \
       manifests[1]['tensors']

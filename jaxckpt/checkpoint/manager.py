@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from . import (atomic, layout, manifest, multihost, orbaxstore, reading, replicas, retention,
-               statefile)
+               shardtable, statefile)
 from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file
 from .options import CheckpointOptions, CommitInfo
@@ -279,7 +279,8 @@ class CheckpointManager:
           'retention': retention.record(step, self.options, replacing=self.step_dir(step))
       }
       if group is not None and storage == SAFETENSORS:
-        metadata['state_files'] = sorted(known)
+        metadata['state_files'] = sorted(k for k in known if k != shardtable.SHARDS)
+        metadata[shardtable.KEY] = shardtable.SHARDS
       final = self.step_dir(step)
       if group is not None and not group.leader:  # process 0 commits; its word ends the save
         files, word = known, group.await_word(f'{seq}/commit', f'checkpoint step {step}')
@@ -345,14 +346,16 @@ class CheckpointManager:
           [{**row, 'crc32': crcs[row['name']]} for row in table]
     held = replicas.write(tmp / layout.STATE_DIR, copies)  # before the barrier: in the commit
     atomic.fsync_dir(tmp / layout.STATE_DIR)  # their names are durable too
-    record = multihost.part_record(f'{layout.STATE_DIR}/{name}', written[name], crcs, places,
-                                   {t: np.shape(x) for t, x in staged.items()})
+    record = shardtable.part_record(f'{layout.STATE_DIR}/{name}', written[name], crcs, places,
+                                    {t: np.shape(x) for t, x in staged.items()})
     # Process 0 alone reads every part record (it writes the manifest); so does each process
     # when each commits its own part (not `shared`): its manifest covers every file.
     records = self._group.collect(
         f'{seq}/durable', f'checkpoint step {step}', record, everyone=not self._group.shared)
-    files, table = multihost.merge_records(records or [record], table)
+    files, shards = shardtable.merge_records(records or [record])
     replicas.keep_matching(tmp, held, files)
+    if records is not None:  # this process writes a manifest: the shards' table beside it
+      files[shardtable.SHARDS] = shardtable.write(tmp / shardtable.SHARDS, shards)
     return files, table
 
   def _storage(self) -> str:
@@ -410,12 +413,13 @@ class CheckpointManager:
       # The state file's CRC is checked while it is read below (tensor by tensor when `only`
       # picks a subset, shard by shard across processes): one pass over the data, not two.
       # Across processes, a file holding none of this process's shards may be on another disk.
+      read_later = [single] if single else multihost.state_files(meta) + [shardtable.SHARDS]
       _, problems = manifest.audit(
           step_dir,
           meta,
           checksums=checksums,
-          skip_checksum=multihost.state_files(meta) or ([single] if single else []),
-          absent_ok=multihost.unread(meta, want) if jax.process_count() > 1 else ())
+          skip_checksum=read_later,
+          absent_ok=multihost.unread(step_dir, meta, want) if jax.process_count() > 1 else ())
       if problems:
         raise CheckpointError(
             'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +

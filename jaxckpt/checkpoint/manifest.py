@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from . import atomic, layout
+from . import atomic, layout, shardtable
 from .checksum import crc32
 from .errors import CheckpointError
 
 FORMAT = 'jaxckpt.checkpoint'
-FORMAT_VERSION = 1
+# 2: the shards of a checkpoint written by several processes are in `shards.json`
+# (`shardtable`); a manifest without it is still written as 1, which every version reads.
+FORMAT_VERSION = 2
 _CHUNK = 8 << 20
 
 
@@ -73,7 +75,7 @@ def build(step: int,
   the same `committed_at` (files in name order)."""
   return {
       'format': FORMAT,
-      'format_version': FORMAT_VERSION,
+      'format_version': FORMAT_VERSION if shardtable.KEY in (metadata or {}) else 1,
       'step': step,
       'committed_at': time.time() if committed_at is None else committed_at,
       'tensors': list(tensors),
@@ -231,6 +233,7 @@ def audit(
   except CheckpointError as e:
     return None, [e.what]
   problems = [p for p in (check_seal(raw, m),) if p]
+  skip_checksum = set(skip_checksum)
   try:
     problems += file_problems(
         step_dir, m, checksums=checksums, skip_checksum=skip_checksum, absent_ok=set(absent_ok))
@@ -238,6 +241,12 @@ def audit(
     problems.append(e.what)
   except (KeyError, TypeError, AttributeError) as e:
     problems.append(f'{layout.MANIFEST}: malformed files table ({type(e).__name__}: {e})')
+  if checksums and not problems and m.get(shardtable.KEY) is not None and \
+      shardtable.SHARDS not in skip_checksum:  # every byte is read: every shard row is checked
+    try:
+      shardtable.shard_table(step_dir, m, None)
+    except CheckpointError as e:
+      problems.append(e.what)
   return m, problems
 
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from . import atomic, layout, statefile, traffic
+from . import atomic, layout, shardtable, statefile, traffic
 from .checksum import crc32
 from .directio import pread_into
 from .errors import CheckpointError
@@ -260,62 +260,49 @@ def header_metadata(places: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
   return {f'shard/{t}': json.dumps(p, separators=(',', ':')) for t, p in places.items()}
 
 
-def part_record(rel: str, written: Mapping[str, Any], crcs: Mapping[str, str],
-                places: Mapping[str, Mapping[str, Any]], shapes: Mapping[str, Any]) -> str:
-  """What a process posts about its file: its size, CRC and shards (for process 0's manifest)."""
-  shards = [{
-      'array': p['array'], 'file': rel, 'tensor': t, 'start': p['start'], 'shape': list(shapes[t]),
-      'crc32': crcs[t]
-  } for t, p in places.items()]
-  return json.dumps({'file': rel, **written, 'shards': shards}, separators=(',', ':'))
-
-
-def merge_records(records: list[str], table: list[dict]) -> tuple[dict[str, dict], list[dict]]:
-  """({file: {size, crc32}}, the tensor table with each tensor's `shards`) from every process's
-  `part_record`."""
-  files, shards = {}, {}
-  for record in map(json.loads, records):
-    files[record['file']] = {'size': record['size'], 'crc32': record['crc32']}
-    for s in record['shards']:
-      shards.setdefault(s.pop('array'), []).append(s)
-  return files, [{**row, 'shards': shards.get(row['name'], [])} for row in table]
-
-
 # ------------------------------------------------------------------------------- reading
-def shard_table(meta: Mapping[str, Any], single: str | None) -> dict[str, list[dict]]:
-  """{array: [shard rows]} of a checkpoint: its `shards`, or for a single-file one, each tensor
-  as one whole shard of `single`."""
-  out = {}
-  for row in meta['tensors']:
-    out[row['name']] = row.get('shards') or [{
-        'file': single, 'tensor': row['name'], 'start': [0] * len(row['shape']),
-        'shape': row['shape'], 'crc32': row.get('crc32')
-    }]
-  return out
-
-
 def state_files(meta: Mapping[str, Any]) -> list[str]:
   return list(meta.get('state_files') or [])
 
 
-def needed_files(meta: Mapping[str, Any], want: Mapping[str, Any], count: int) -> list[set[str]]:
+def needed_files(step_dir: Path,
+                 meta: Mapping[str, Any],
+                 want: Mapping[str, Any],
+                 count: int,
+                 *,
+                 local: bool = False) -> list[set[str]]:
   """For each of `count` processes, the state files holding shards its devices hold of `want`
-  ({name: target with shape and sharding}; names the checkpoint does not hold are left out)."""
-  shards = shard_table(meta, None)
+  ({name: target with shape and sharding}; names the checkpoint does not hold are left out).
+  `local`: this process's devices alone (the others' sets stay empty). Each distinct box is
+  looked up once, however many devices hold it (a replicated array: once)."""
+  shards = shardtable.shard_table(step_dir, meta, None)
   out = [set() for _ in range(count)]
   for name, x in want.items():
+    if name not in shards:
+      continue
     shape = tuple(x.shape)
-    for device, index in (x.sharding.devices_indices_map(shape).items() if name in shards else ()):
-      box = _box(index, shape)
-      for s in shards[name]:
-        if all(max(a, s0) < min(b, s0 + n) for (a, b), s0, n in zip(box, s['start'], s['shape'])):
-          out[device.process_index].add(s['file'])
+    by_device = x.sharding.addressable_devices_indices_map if local else \
+        x.sharding.devices_indices_map
+    indices = by_device(shape)
+    boxes: dict[Box, set[int]] = {}
+    for device, index in indices.items():
+      boxes.setdefault(_box(index, shape), set()).add(device.process_index)
+    for box, processes in boxes.items():
+      files = {s['file'] for s in shards[name] if _overlap(box, s)}
+      for k in processes:
+        out[k] |= files
   return out
 
 
-def unread(meta: Mapping[str, Any], want: Mapping[str, Any]) -> set[str]:
+def _overlap(box: Box, shard: Mapping[str, Any]) -> bool:
+  return all(
+      max(a, s0) < min(b, s0 + n) for (a, b), s0, n in zip(box, shard['start'], shard['shape']))
+
+
+def unread(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any]) -> set[str]:
   """The state files a restore of `want` on this process reads nothing from."""
-  return set(state_files(meta)) - needed_files(meta, want, jax.process_count())[jax.process_index()]
+  needed = needed_files(step_dir, meta, want, jax.process_count(), local=True)
+  return set(state_files(meta)) - needed[jax.process_index()]
 
 
 class _Files:
@@ -428,7 +415,7 @@ def read_host(step_dir: Path, meta: Mapping[str, Any], names=None) -> dict[str, 
   }
   fill(
       step_dir,
-      shard_table(meta, None),
+      shardtable.shard_table(step_dir, meta, None),
       boxes, {r['name']: _dtype(r['dtype']) for r in rows},
       checksums=True)
   return {n: next(iter(b.values())) for n, b in boxes.items()}

@@ -36,12 +36,18 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from . import atomic, layout, manifest, multihost, sends
+from . import atomic, layout, manifest, multihost, sends, shardtable
 from .errors import CheckpointError
 from .tree import named_leaves
 
 SMALL = 64 << 10  # the window of small files (a manifest, the run state)
-META = (layout.RUN_STATE, layout.MANIFEST)  # a checkpoint's own files besides its state
+META = (layout.RUN_STATE, shardtable.SHARDS, layout.MANIFEST)  # a checkpoint's own files besides
+# its state (shards.json where the manifest lists it), sent in this order: the manifest last
+
+
+def _own_files(m: Mapping[str, Any]) -> list[str]:
+  """The files of manifest `m` that are no process's part: sent whole to a process without."""
+  return [name for name in META[:-1] if name in m['files']]
 
 
 @dataclasses.dataclass
@@ -163,7 +169,7 @@ def _intact(ckpt_dir: Path, step: int, seal: str) -> list[str]:
     m = manifest.parse(path, raw)
   except (OSError, CheckpointError):
     return []
-  files = multihost.state_files(m) + [r for r in (layout.RUN_STATE,) if r in m['files']]
+  files = multihost.state_files(m) + _own_files(m)
   bad = manifest.file_problems(path, {**m, 'files': {r: m['files'][r] for r in files}})
   return [r for r in files if not any(p.startswith(f'{r}:') for p in bad)]
 
@@ -173,13 +179,14 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
   """Process 0: who sends which part to whom ({'step', 'seal', 'files', 'meta_to', 'moves',
   'needs'}); None when a part is held by no process and not by the remote."""
   path = ckpt_dir / layout.step_dirname(step)
-  if layout.RUN_STATE not in intact[0]:
-    return None  # process 0 sends the run state and the manifest: its own must be sound
   raw = (path / layout.MANIFEST).read_bytes()
   m = manifest.parse(path, raw)
+  whole = _own_files(m)
+  if not set(whole) <= set(intact[0]):
+    return None  # process 0 sends the run state, the shard table and the manifest: sound ones
   seal = manifest.seal_of(raw)
   on_remote = remote is not None and (remote.step, remote.seal) == (step, seal)
-  needs = multihost.needed_files(m, named_leaves(target), count)
+  needs = multihost.needed_files(path, m, named_leaves(target), count)
   moves = []
   for rel in multihost.state_files(m):
     holders = [k for k in range(count) if rel in intact[k]]
@@ -192,11 +199,11 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
     source = (own if own in holders else holders[0]) if holders else -1
     moves.append([rel, source, sorted(receivers, key=lambda k: (k != own, k))])
   files = {rel: m['files'][rel] for rel in multihost.state_files(m)}
-  meta = {name: (path / name).stat().st_size for name in META}
+  meta = {name: (path / name).stat().st_size for name in whole + [layout.MANIFEST]}
   return {
       'step': step, 'seal': seal, 'files': files, 'meta': meta, 'moves': moves,
       'needs': [sorted(n) for n in needs],
-      'meta_to': [k for k in range(count) if layout.RUN_STATE not in intact[k]]
+      'meta_to': [k for k in range(count) if not set(whole) <= set(intact[k])]
   }
 
 
@@ -232,14 +239,14 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
 
   local(lambda: (work / layout.STATE_DIR).mkdir(parents=True, exist_ok=True))
   raw = b''
-  for name in META if plan['meta_to'] else ():
+  for name in plan['meta'] if plan['meta_to'] else ():  # the manifest last
     got, problem = _broadcast(final / name if me == 0 else None, plan['meta'][name], me
                               in plan['meta_to'])
     problems += [problem] if problem else []
     if name == layout.MANIFEST:
       raw = got or b''
     elif got is not None:
-      local(lambda got=got: atomic.write_file_durably(work / layout.RUN_STATE, got))
+      local(lambda got=got, name=name: atomic.write_file_durably(work / name, got))
   pairs = []  # (part, from, to); a part no process holds is read from the remote first
   for rel, source, receivers in plan['moves']:
     if source == -1:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from . import layout, multihost, orbaxstore
+from . import layout, multihost, orbaxstore, shardtable
 from .formats import SAFETENSORS, data_file, read_state_file
 
 
@@ -26,7 +26,7 @@ def read_arrays(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any]
   single = data_file(meta)
   if meta.get('storage') == SAFETENSORS and (jax.process_count() > 1 or 'state_files' in meta):
     return multihost.restore(
-        step_dir, multihost.shard_table(meta, single), want, checksums=checksums)
+        step_dir, shardtable.shard_table(step_dir, meta, single), want, checksums=checksums)
   if single:
 
     def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:

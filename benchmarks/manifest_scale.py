@@ -1,0 +1,167 @@
+"""What the manifest of a checkpoint written by many processes costs: commit, `latest`, inspect.
+
+    python -m benchmarks.manifest_scale [--processes=8,64,256,1024] [--trees=120m,70b]
+
+A checkpoint written by N processes lists every shard of every array, with its file, tensor,
+start, shape and CRC-32. No real job of 1024 processes runs here, so the shards are synthetic,
+laid out the way a fully sharded (FSDP) job lays them out: each leaf of the adamw state (params,
+mu and nu, shaped like `benchmarks.common.synthetic_state`'s) is split N ways along its first
+dimension of at least N elements, and a leaf with none (the counters) is whole, owned by one
+process.
+Then, with jaxckpt's own functions and on this machine's disk:
+
+- records: one process's part record (`shardtable.part_record`), what it posts to process 0;
+- merge: process 0's `shardtable.merge_records` of the N records;
+- commit: what process 0 then writes: `shards.json` (`shardtable.write`) and the manifest
+  (`manifest.build`, `manifest.sealed_json`, `atomic.write_file_durably`);
+- latest: what `jaxckpt.checkpoint.discovery` does to find the newest checkpoint and check it:
+  `manifest.audit(..., checksums=False)`, the files present at their sizes (sparse files);
+- inspect: `jaxckpt inspect STEP_DIR --json` as a subprocess, minus the same command's time on a
+  one-process checkpoint (its start-up);
+- shard table: `shardtable.shard_table`, what every restore builds first (reading and
+  checking `shards.json`).
+
+Trees: `120m` (andrea_120m: 120.8M parameters, 449 leaves) and `70b` (80 layers: 70e9
+parameters, 2,891 leaves). Target (the scale issue): commit and latest/inspect <= 1 s at 1024
+processes. Prints a table, writes benchmarks/results/manifest_scale.json.
+"""
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import _model_shapes, print_table, write_results
+from jaxckpt.checkpoint import atomic, layout, manifest, multihost, shardtable, statefile
+
+TREES = {'120m': (120.8e6, 449), '70b': (70e9, 80 * 12 * 3 + 11)}
+TARGET_S = 1.0
+COLUMNS = [
+    'tree', 'processes', 'shards', 'manifest_mb', 'shards_mb', 'records_s', 'merge_s', 'commit_s',
+    'latest_s', 'inspect_s', 'shard_table_s'
+]
+
+
+def leaves(tree: str) -> list[tuple[str, tuple[int, ...]]]:
+  params, count = TREES[tree]
+  shapes = _model_shapes(int(params), (count - 2) // 3)
+  return [(f'{group}/{name}', shape)
+          for group in ('params', 'opt/mu', 'opt/nu')
+          for name, shape in shapes] + [('step', ()), ('opt/count', ())]
+
+
+def layout_shards(tree: list, processes: int) -> list[dict[str, tuple]]:
+  """For each process, {tensor: (array, start, shape)} of the shards it writes."""
+  parts = [{} for _ in range(processes)]
+  for i, (name, shape) in enumerate(tree):
+    axis = next((d for d, n in enumerate(shape) if n >= processes), None)
+    if axis is None:
+      box = tuple((0, n) for n in shape)
+      parts[i % processes][multihost.tensor_name(name, box, shape)] = (name, box)
+      continue
+    cuts = [shape[axis] * k // processes for k in range(processes + 1)]
+    for k in range(processes):
+      box = tuple((cuts[k], cuts[k + 1]) if d == axis else (0, n) for d, n in enumerate(shape))
+      parts[k][multihost.tensor_name(name, box, shape)] = (name, box)
+  return parts
+
+
+def record(k: int, shards: dict[str, tuple]) -> tuple[str, int]:
+  places = {
+      t: {'array': a, 'start': [lo for lo, _ in box], 'global_shape': []}
+      for t, (a, box) in shards.items()
+  }
+  shapes = {t: tuple(hi - lo for lo, hi in box) for t, (_, box) in shards.items()}
+  size = sum(4 * max(1, math.prod(s)) for s in shapes.values())
+  crcs = {t: f'{(hash(t) & 0xffffffff):08x}' for t in shards}
+  rel = f'{layout.STATE_DIR}/{statefile.file_name(k)}'
+  return shardtable.part_record(rel, {'size': size, 'crc32': '0badcafe'}, crcs, places,
+                                shapes), size
+
+
+def _timed(fn):
+  t0 = time.perf_counter()
+  out = fn()
+  return out, time.perf_counter() - t0
+
+
+def _inspect_s(step_dir: Path) -> float:
+  t0 = time.perf_counter()
+  subprocess.run([sys.executable, '-m', 'jaxckpt.cli', 'inspect',
+                  str(step_dir), '--json'],
+                 check=True,
+                 stdout=subprocess.DEVNULL)
+  return time.perf_counter() - t0
+
+
+def measure(tree_name: str, processes: int, root: Path) -> dict:
+  tree = leaves(tree_name)
+  parts = layout_shards(tree, processes)
+  built = [record(k, p) for k, p in enumerate(parts)]
+  _, records_s = _timed(lambda: record(0, parts[0]))
+  table = [{'name': n, 'shape': list(s), 'dtype': 'float32', 'spec': None} for n, s in tree]
+  (files, shards), merge_s = _timed(lambda: shardtable.merge_records([r for r, _ in built]))
+  step_dir = root / f'{tree_name}-{processes}' / layout.step_dirname(1)
+  (step_dir / layout.STATE_DIR).mkdir(parents=True)
+  for rel, entry in files.items():
+    with open(step_dir / rel, 'wb') as f:
+      f.truncate(entry['size'])  # sparse: audit without checksums looks at sizes alone
+  state_files = sorted(files)
+  files[layout.RUN_STATE] = {'size': 2, 'crc32': f'{manifest.crc32(b"{}"):08x}'}
+  (step_dir / layout.RUN_STATE).write_bytes(b'{}')
+  meta = {'storage': 'safetensors', 'state_files': state_files, shardtable.KEY: shardtable.SHARDS}
+
+  def commit():
+    written = shardtable.write(step_dir / shardtable.SHARDS, shards)
+    raw = manifest.sealed_json(
+        manifest.build(1, {**files, shardtable.SHARDS: written}, table, meta))
+    atomic.write_file_durably(step_dir / layout.MANIFEST, raw)
+    return raw
+
+  raw, commit_s = _timed(commit)
+  (m, problems), latest_s = _timed(lambda: manifest.audit(step_dir, checksums=False))
+  if problems:
+    raise SystemExit(f'{step_dir}: {problems[:3]}')
+  got, table_s = _timed(lambda: shardtable.shard_table(step_dir, m, None))
+  return {
+      'tree': tree_name, 'processes': processes, 'shards': sum(map(len, got.values())),
+      'manifest_mb': len(raw) / 1e6, 'shards_mb':
+          (step_dir / shardtable.SHARDS).stat().st_size / 1e6, 'records_s': records_s,
+      'merge_s': merge_s, 'commit_s': commit_s, 'latest_s': latest_s,
+      'inspect_s': _inspect_s(step_dir), 'shard_table_s': table_s, 'step_dir': step_dir
+  }
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  ap.add_argument('--processes', default='8,64,256,1024')
+  ap.add_argument('--trees', default='120m,70b')
+  args = ap.parse_args(argv)
+  rows = []
+  with tempfile.TemporaryDirectory(prefix='manifest-scale-', dir=os.environ.get('TMPDIR')) as tmp:
+    root = Path(tmp)
+    base = measure('120m', 1, root)['step_dir']
+    start = min(_inspect_s(base) for _ in range(3))  # the command's own start-up
+    for tree in args.trees.split(','):
+      for n in map(int, args.processes.split(',')):
+        row = measure(tree, n, root)
+        row['inspect_s'] = max(0.0, row['inspect_s'] - start)
+        del row['step_dir']
+        rows.append(row)
+        print_table(rows[-1:], COLUMNS)
+  print()
+  print_table(rows, COLUMNS)
+  path = write_results(
+      'manifest_scale', rows, {
+          'target': f'commit_s, latest_s and inspect_s <= {TARGET_S} s at 1024 processes',
+          'inspect_start_s': start
+      })
+  print(f'wrote {path}')
+
+
+if __name__ == '__main__':
+  main()

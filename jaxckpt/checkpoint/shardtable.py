@@ -1,0 +1,166 @@
+"""Where each shard of a checkpoint written by several processes is: `shards.json`.
+
+A checkpoint of N processes has about N shards of every array (a fully sharded job: 1024
+processes x andrea_120m's 449 leaves is 460,000 shards). Listed in `manifest.json` itself, they
+made every reader of the manifest parse all of them (`latest`, `inspect`, a retention pass) and
+process 0 parse and re-encode every process's record at each commit. So they are a file of their
+own beside the state files:
+
+    step_00000100/manifest.json     the commit: files (shards.json's size and CRC-32 included),
+                                    tensors (name, shape, dtype, spec), "shard_table": "shards.json"
+    step_00000100/shards.json       {"format": "jaxckpt.shards", "parts": [[shard, ...], ...]}
+
+Each process posts a part record of two lines: its file (name, size, CRC-32), which process 0
+parses, then its shards as JSON, which process 0 copies into `shards.json` as they are, in process
+order, so that every process that commits a part (each host's own disk) writes the same bytes. A
+shard is {array, file, tensor, start, shape, crc32}. A reader takes `shards.json` only at the size
+and CRC-32 the sealed manifest gives it, and checks every row before it is used: its file is a
+state file of the checkpoint, its box lies inside its array. Manifests from before this file
+(format 1) list the shards in their tensor rows, and are read as they are.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+from . import atomic, layout
+from .checksum import crc32
+from .errors import CheckpointError
+
+SHARDS = 'shards.json'
+KEY = 'shard_table'  # the manifest's key naming the file
+FORMAT = 'jaxckpt.shards'
+_DAMAGED = 'the checkpoint is damaged; resume from an earlier checkpoint'
+
+
+def part_record(rel: str, written: Mapping[str, Any], crcs: Mapping[str, str],
+                places: Mapping[str, Mapping[str, Any]], shapes: Mapping[str, Any]) -> str:
+  """What a process posts about its file: a line with its size and CRC, then its shards."""
+  shards = [{
+      'array': p['array'], 'file': rel, 'tensor': t, 'start': p['start'], 'shape': list(shapes[t]),
+      'crc32': crcs[t]
+  } for t, p in places.items()]
+  head = json.dumps({'file': rel, 'size': written['size'], 'crc32': written['crc32']},
+                    separators=(',', ':'))
+  return head + '\n' + json.dumps(shards, separators=(',', ':'))
+
+
+def merge_records(records: Iterable[str]) -> tuple[dict[str, dict], list[str]]:
+  """({file: {size, crc32}}, each record's shard rows as posted) from every process's
+  `part_record`, in process order: only the first line of each is parsed."""
+  files, parts = {}, []
+  for record in records:
+    head, _, shards = record.partition('\n')
+    head = json.loads(head)
+    files[head['file']] = {'size': head['size'], 'crc32': head['crc32']}
+    parts.append(shards)
+  return files, parts
+
+
+def _pieces(parts: list[str]) -> Iterator[bytes]:
+  yield f'{{"format":"{FORMAT}","parts":[\n'.encode()
+  for k, part in enumerate(parts):
+    yield (',\n' if k else '').encode() + part.encode()
+  yield b'\n]}\n'
+
+
+def table_bytes(parts: list[str]) -> bytes:
+  """The bytes of `shards.json` for `merge_records`'s parts."""
+  return b''.join(_pieces(parts))
+
+
+def write(path: Path, parts: list[str]) -> dict[str, Any]:
+  """Writes `shards.json` durably at `path`, one process's rows after another (never the whole
+  table in memory: 500 MB for a 70B-parameter state at 1024 processes); returns its row of the
+  manifest's files table, {size, crc32}."""
+  crc, size = 0, 0
+  with atomic.atomic_file(path) as tmp, open(tmp, 'wb') as f:
+    for piece in _pieces(parts):
+      f.write(piece)
+      crc, size = crc32(piece, crc), size + len(piece)
+  return {'size': size, 'crc32': f'{crc:08x}'}
+
+
+def entry(body: bytes) -> dict[str, Any]:
+  """`shards.json`'s row in the manifest's files table, from its bytes."""
+  return {'size': len(body), 'crc32': f'{crc32(body):08x}'}
+
+
+def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> dict[str, list]:
+  """{array: [shard rows]} of a checkpoint, every row checked: from `shards.json`, from the
+  manifest's tensor rows (format 1), or, for a single-file checkpoint, each tensor as one whole
+  shard of `single`."""
+  shapes = {r['name']: r['shape'] for r in meta['tensors']}
+  files = set(meta.get('state_files') or ())
+  if meta.get(KEY) is None:
+    out = {}
+    for row in meta['tensors']:
+      name = row['name']
+      whole = {
+          'file': single, 'tensor': name, 'start': [0] * len(row['shape']), 'shape': row['shape'],
+          'crc32': row.get('crc32')
+      }
+      shards = row.get('shards') or ()
+      out[name] = [_checked(step_dir, s, name, shapes, files) for s in shards] or [whole]
+    return out
+  out = {name: [] for name in shapes}
+  for part in _read(step_dir, meta):
+    for s in part:
+      array = s.get('array') if isinstance(s, dict) else None
+      row = _checked(step_dir, s, array, shapes, files)
+      out[array].append(row)
+  return out
+
+
+def _read(step_dir: Path, meta: Mapping[str, Any]) -> list:
+  """`shards.json`'s parts, read at the size and CRC-32 the manifest says."""
+  name = meta[KEY]
+  want = (meta.get('files') or {}).get(name) if isinstance(name, str) else None
+  if name != SHARDS or not isinstance(want, Mapping):
+    raise CheckpointError(
+        'E-CKPT-012', f'{step_dir}: the manifest names a shard table {name!r:.80} its files '
+        'table does not hold', _DAMAGED)
+  path = step_dir / SHARDS
+  try:
+    body = path.read_bytes()
+  except OSError as e:
+    raise CheckpointError('E-CKPT-004', f'cannot read {path}: {e.strerror or e}',
+                          'the file is missing; verify the checkpoint') from e
+  got = entry(body)
+  if got != {'size': want.get('size'), 'crc32': want.get('crc32')}:
+    raise CheckpointError(
+        'E-CKPT-003', f'{path}: {got["size"]} bytes, crc32 {got["crc32"]}; the manifest says '
+        f'{want.get("size")} bytes, crc32 {want.get("crc32")}', 'resume from an earlier checkpoint')
+  try:
+    table = json.loads(body)
+  except ValueError as e:
+    raise CheckpointError('E-CKPT-012', f'{path}: not JSON ({e})', _DAMAGED) from e
+  parts = table.get('parts') if isinstance(table, dict) and table.get('format') == FORMAT else None
+  if not isinstance(parts, list) or not all(isinstance(p, list) for p in parts):
+    raise CheckpointError('E-CKPT-012', f'{path}: not a jaxckpt shard table', _DAMAGED)
+  return parts
+
+
+def _counts(value: Any) -> bool:
+  return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)  # pylint: disable=unidiomatic-typecheck
+
+
+def _checked(step_dir: Path, s: Any, array: Any, shapes: Mapping[str, list],
+             files: set[str]) -> dict:
+  """Shard row `s` of `array` without its `array` key, once it names a state file of the
+  checkpoint (`files`; any file inside it when the manifest lists none) and a box that lies
+  inside its array."""
+  shape = shapes.get(array) if isinstance(array, str) else None
+  ok = isinstance(s, dict) and shape is not None and isinstance(s.get('tensor'), str) and \
+      isinstance(s.get('file'), str) and layout.member_problem(s['file']) is None and \
+      (not files or s['file'] in files) and isinstance(s.get('crc32'), (str, type(None))) and \
+      _counts(s.get('start')) and _counts(s.get('shape')) and \
+      len(s['start']) == len(s['shape']) == len(shape) and \
+      all(a + n <= m for a, n, m in zip(s['start'], s['shape'], shape))
+  if not ok:
+    raise CheckpointError('E-CKPT-012',
+                          f'{step_dir}: a malformed shard row {json.dumps(s, default=str)[:160]}',
+                          _DAMAGED)
+  return {k: v for k, v in s.items() if k != 'array'}
