@@ -168,3 +168,13 @@ def test_verify_checks_every_row_and_a_size_only_look_parses_none(tmp_path):
   _, problems = manifest.audit(step_dir, checksums=True, absent_ok=absent)
   assert len(problems) == 1 and 'malformed shard row' in problems[0], problems
   assert manifest.audit(step_dir, checksums=False, absent_ok=absent)[1] == []
+
+
+def test_a_restore_asking_twice_has_the_rows_checked_once_and_the_bytes_each_time(tmp_path):
+  step_dir, meta = checkpoint(tmp_path)
+  first = shardtable.shard_table(step_dir, meta, None)
+  assert shardtable.shard_table(step_dir, meta, None) is first
+  (step_dir / shardtable.SHARDS).write_bytes(b'{}')  # the bytes are checked every time
+  with pytest.raises(CheckpointError) as e:
+    shardtable.shard_table(step_dir, meta, None)
+  assert e.value.code == 'E-CKPT-003'
