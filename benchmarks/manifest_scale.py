@@ -104,7 +104,8 @@ def measure(tree_name: str, processes: int, root: Path) -> dict:
   built = [record(k, p) for k, p in enumerate(parts)]
   _, records_s = _timed(lambda: record(0, parts[0]))
   table = [{'name': n, 'shape': list(s), 'dtype': 'float32', 'spec': None} for n, s in tree]
-  (files, shards), merge_s = _timed(lambda: shardtable.merge_records([r for r, _ in built]))
+  (files, shards
+  ), merge_s = _timed(lambda: shardtable.merge_records([r for r, _ in built], expect=processes))
   step_dir = root / f'{tree_name}-{processes}' / layout.step_dirname(1)
   (step_dir / layout.STATE_DIR).mkdir(parents=True)
   for rel, entry in files.items():

@@ -118,7 +118,8 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
   from jax.sharding import Mesh, NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, layout, manifest, multihost
+  from jaxckpt.checkpoint import (CheckpointManager, CheckpointOptions, layout, manifest, multihost,
+                                  shardtable)
   from jaxckpt.checkpoint import peers, sends
   from jaxckpt.checkpoint.remote import Store, objects
   from jaxckpt.checkpoint.tree import named_leaves
@@ -174,7 +175,8 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
     sources = {'own': 0, 'peers': 0, 'remote': fetched}
   else:  # a host that kept its disk reads the files its devices need from it
     m = manifest.read(step_dir)
-    need = multihost.needed_files(step_dir, m, named_leaves(target), count)[process]
+    need = multihost.needed_files(
+        shardtable.shard_table(step_dir, m, None), named_leaves(target), count)[process]
     sources = {'own': sum(m['files'][r]['size'] for r in need), 'peers': 0, 'remote': 0}
   moved = time.perf_counter()
   mgr = CheckpointManager(step_dir.parent, CheckpointOptions(barrier_timeout_secs=timeout))

@@ -141,7 +141,11 @@ def throughput_run(name: str, bound: int, cache: str, steps: int, warmup: int) -
   return (steps - warmup) * batch * block / (rows[steps] - rows[warmup])
 
 
-def paired_throughput(name: str, rounds: int, block_steps: int, batch: int | None = None) -> dict:
+def paired_throughput(name: str,
+                      rounds: int,
+                      block_steps: int,
+                      batch: int | None = None,
+                      config=None) -> dict:
   """Tokens/s with the bound against without it, in one process: alternating blocks of steps.
 
     Separate trainer processes differ by ±10% here (memory layout, the other core's load),
@@ -156,7 +160,7 @@ def paired_throughput(name: str, rounds: int, block_steps: int, batch: int | Non
 
   from jaxckpt.train import state as trainer_lib
 
-  config = get_config(name)
+  config = config or get_config(name)
   if batch or name in SHAPES:  # the config's own batch otherwise (an accelerator's run)
     config.train.batch_size = batch or int(SHAPES[name][1][0].split('=')[1])
   trainer = trainer_lib.build_trainer(config)
@@ -187,7 +191,9 @@ def paired_throughput(name: str, rounds: int, block_steps: int, batch: int | Non
     for bound in order:
       got[bound].append(block(bound))
     ratios.append(sum(got[2]) / sum(got[0]))
-    floor.append(got[0][0] / got[0][1])
+    # The two unbounded blocks, the earlier over the later in one round and the other way in
+    # the next, so that drift does not lean the floor one way.
+    floor.append(got[0][0] / got[0][1] if r % 2 == 0 else got[0][1] / got[0][0])
     for bound in (2, 0):
       rates[bound] += got[bound]
     print(
@@ -199,7 +205,8 @@ def paired_throughput(name: str, rounds: int, block_steps: int, batch: int | Non
       'config': name, 'op': 'paired throughput', 'bound': 2, 'tokens_per_s': median(rates[2]),
       'tokens_per_s_unbounded': median(rates[0]), 'ratio': median(ratios),
       'ratio_quartiles': quartiles(ratios), 'noise_floor_quartiles': quartiles(floor),
-      'rounds': rounds, 'block_steps': block_steps, 'ratios': ratios
+      'target': TARGET_RATIO, 'met': median(ratios) >= TARGET_RATIO, 'rounds': rounds,
+      'block_steps': block_steps, 'ratios': ratios
   }
 
 

@@ -33,10 +33,10 @@ def records() -> list[str]:
 
 def checkpoint(tmp_path, body: bytes | None = None):
   """(step_dir, manifest) of a sealed two-process manifest whose shards.json is `body`."""
-  files, parts = shardtable.merge_records(records())
+  files, parts = shardtable.merge_records(records(), expect=2)
   shards = shardtable.table_bytes(parts)
   step_dir = tmp_path / layout.step_dirname(1)
-  step_dir.mkdir()
+  step_dir.mkdir(parents=True)
   (step_dir / shardtable.SHARDS).write_bytes(shards if body is None else body)
   meta = {'state_files': sorted(files), shardtable.KEY: shardtable.SHARDS}
   files[shardtable.SHARDS] = shardtable.entry(shards if body is None else body)
@@ -47,7 +47,7 @@ def checkpoint(tmp_path, body: bytes | None = None):
 
 
 def test_process_0_copies_the_rows_and_parses_only_each_records_first_line(tmp_path):
-  files, parts = shardtable.merge_records(records())
+  files, parts = shardtable.merge_records(records(), expect=2)
   shards = shardtable.table_bytes(parts)
   assert files == {
       'state/process_0.safetensors': {'size': 100, 'crc32': 'aa000000'},
@@ -88,7 +88,7 @@ def test_a_shard_table_that_is_not_what_the_manifest_says_is_refused(tmp_path):
   (step_dir / shardtable.SHARDS).unlink()
   with pytest.raises(CheckpointError) as e:
     shardtable.shard_table(step_dir, meta, None)
-  assert e.value.code == 'E-CKPT-004' and 'shards.json' in e.value.what
+  assert e.value.code == 'E-CKPT-012' and 'shards.json' in e.value.what
 
 
 @pytest.mark.parametrize(
@@ -102,6 +102,7 @@ def test_a_shard_table_that_is_not_what_the_manifest_says_is_refused(tmp_path):
         ({'shape': [2.0, 3]}, 'a count that is not a whole number'),
         ({'array': 'nothing'}, 'an array the manifest does not list'),
         ({'tensor': 5}, 'a tensor name that is not a string'),
+        ({'crc32': None}, 'a shard without its CRC-32: its bytes would go unchecked'),
     ],
 )
 def test_a_sealed_shard_table_with_a_bad_row_is_refused_in_one_line(tmp_path, row, why):
@@ -143,7 +144,7 @@ def test_a_format_1_manifest_with_shards_in_its_rows_reads_as_before(tmp_path):
         {k: v for k, v in s.items() if k != 'array'} for p in parts for s in p if s['array'] == name
     ]
     tensors.append({'name': name, 'shape': shape, 'dtype': 'float32', 'shards': shards})
-  files, _ = shardtable.merge_records(records())
+  files, _ = shardtable.merge_records(records(), expect=2)
   meta = manifest.build(1, files, tensors, {'state_files': sorted(files)})
   assert meta['format_version'] == 1
   got = shardtable.shard_table(tmp_path, meta, None)
@@ -160,7 +161,7 @@ def test_verify_checks_every_row_and_a_size_only_look_parses_none(tmp_path):
   only) never parse the table, which is what keeps them fast at a thousand processes."""
   parts = [[{
       'array': 'w', 'file': '../outside', 'tensor': 'w', 'start': [0, 0], 'shape': [4, 3],
-      'crc32': None
+      'crc32': '00000000'
   }]]
   body = json.dumps({'format': 'jaxckpt.shards', 'parts': parts}).encode()
   step_dir, meta = checkpoint(tmp_path, body)
@@ -170,11 +171,32 @@ def test_verify_checks_every_row_and_a_size_only_look_parses_none(tmp_path):
   assert manifest.audit(step_dir, checksums=False, absent_ok=absent)[1] == []
 
 
-def test_a_restore_asking_twice_has_the_rows_checked_once_and_the_bytes_each_time(tmp_path):
+def test_rows_that_repeat_or_leave_out_part_of_an_array_are_refused(tmp_path):
+  """Each shard is written once in the job: an array's rows add up to it, or the table lies."""
+  row = {
+      'array': 'b', 'file': 'state/process_1.safetensors', 'tensor': 'b', 'start': [0],
+      'shape': [3], 'crc32': '00000001'
+  }
+  for rows in ([row, row], [{**row, 'shape': [2]}]):
+    body = json.dumps({'format': 'jaxckpt.shards', 'parts': [rows]}).encode()
+    step_dir, meta = checkpoint(tmp_path / str(len(rows)), body)
+    with pytest.raises(CheckpointError) as e:
+      shardtable.shard_table(step_dir, meta, None)
+    assert e.value.code == 'E-CKPT-012' and 'do not add up' in e.value.what, rows
+
+
+def test_a_malformed_tensor_table_is_one_line_not_a_traceback(tmp_path):
   step_dir, meta = checkpoint(tmp_path)
-  first = shardtable.shard_table(step_dir, meta, None)
-  assert shardtable.shard_table(step_dir, meta, None) is first
-  (step_dir / shardtable.SHARDS).write_bytes(b'{}')  # the bytes are checked every time
+  for tensors in ('x', [5], [{'name': 'w', 'shape': 'ab'}], [{'shape': [4, 3]}]):
+    with pytest.raises(CheckpointError) as e:
+      shardtable.shard_table(step_dir, {**meta, 'tensors': tensors}, None)
+    assert e.value.code == 'E-CKPT-012' and 'tensor table' in e.value.what, tensors
   with pytest.raises(CheckpointError) as e:
-    shardtable.shard_table(step_dir, meta, None)
-  assert e.value.code == 'E-CKPT-003'
+    shardtable.shard_table(step_dir, {**meta, 'files': ['shards.json']}, None)
+  assert e.value.code == 'E-CKPT-012'
+
+
+def test_a_store_that_answers_with_fewer_records_than_processes_commits_nothing():
+  with pytest.raises(CheckpointError) as e:
+    shardtable.merge_records(records()[:1], expect=2)
+  assert e.value.code == 'E-DIST-002' and '1 of 2 part records' in e.value.what

@@ -352,9 +352,11 @@ class CheckpointManager:
     # when each commits its own part (not `shared`): its manifest covers every file.
     records = self._group.collect(
         f'{seq}/durable', f'checkpoint step {step}', record, everyone=not self._group.shared)
-    files, shards = shardtable.merge_records(records or [record])
+    mine = records is None  # a process that writes no manifest: its own record alone
+    files, shards = shardtable.merge_records(
+        [record] if mine else records, expect=1 if mine else self._group.count)
     replicas.keep_matching(tmp, held, files)
-    if records is not None:  # this process writes a manifest: the shards' table beside it
+    if not mine:  # this process writes a manifest: the shards' table beside it
       files[shardtable.SHARDS] = shardtable.write(tmp / shardtable.SHARDS, shards)
     return files, table
 
@@ -405,10 +407,11 @@ class CheckpointManager:
     `verify=False` skips checking the files against the manifest, for a caller that just did.
     """
     step_dir = self._resolve(step_or_dir)
-    meta = manifest.read(step_dir)
+    raw, meta = manifest.read_bytes(step_dir)
     single = data_file(meta)
     checksums = verify and self.options.verify_checksums
     want = named_leaves(target)
+    shards = reading.shard_rows(step_dir, raw, meta, verify=verify)
     if verify:
       # The state file's CRC is checked while it is read below (tensor by tensor when `only`
       # picks a subset, shard by shard across processes): one pass over the data, not two.
@@ -419,7 +422,7 @@ class CheckpointManager:
           meta,
           checksums=checksums,
           skip_checksum=read_later,
-          absent_ok=multihost.unread(step_dir, meta, want) if jax.process_count() > 1 else ())
+          absent_ok=() if shards is None else multihost.unread(meta, want, shards))
       if problems:
         raise CheckpointError(
             'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +
@@ -427,8 +430,8 @@ class CheckpointManager:
             'resume from an earlier checkpoint')
     saved = {t['name']: t for t in meta['tensors'] if only is None or only(t['name'])}
     check_fits(step_dir, saved, want)
-    restored = reading.read_arrays(
-        step_dir, meta, want, checksums=checksums, verify=verify, partial=only is not None)
+    how = {'checksums': checksums, 'verify': verify, 'partial': only is not None, 'shards': shards}
+    restored = reading.read_arrays(step_dir, meta, want, **how)
     leaves = [restored[n] for n in want]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
     return state, atomic.read_json(step_dir / layout.RUN_STATE)

@@ -85,12 +85,17 @@ def build(step: int,
 
 
 def read(step_dir: Path) -> dict[str, Any]:
+  return read_bytes(step_dir)[1]
+
+
+def read_bytes(step_dir: Path) -> tuple[bytes, dict[str, Any]]:
+  """(manifest.json's bytes, the manifest they hold), from one read."""
   path = step_dir / layout.MANIFEST
   try:
     raw = path.read_bytes()
   except OSError as e:
     raise CheckpointError('E-CKPT-004', f'cannot read {path}: {e}', _UNREADABLE) from e
-  return parse(step_dir, raw)
+  return raw, parse(step_dir, raw)
 
 
 _UNREADABLE = 'the file is missing or corrupt; verify the checkpoint'
@@ -247,6 +252,8 @@ def audit(
       shardtable.shard_table(step_dir, m, None)
     except CheckpointError as e:
       problems.append(e.what)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+      problems.append(f'{layout.MANIFEST}: malformed ({type(e).__name__}: {e})')
   return m, problems
 
 

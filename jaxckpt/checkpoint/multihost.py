@@ -265,17 +265,16 @@ def state_files(meta: Mapping[str, Any]) -> list[str]:
   return list(meta.get('state_files') or [])
 
 
-def needed_files(step_dir: Path,
-                 meta: Mapping[str, Any],
+def needed_files(shards: Mapping[str, list],
                  want: Mapping[str, Any],
                  count: int,
                  *,
                  local: bool = False) -> list[set[str]]:
   """For each of `count` processes, the state files holding shards its devices hold of `want`
-  ({name: target with shape and sharding}; names the checkpoint does not hold are left out).
-  `local`: this process's devices alone (the others' sets stay empty). Each distinct box is
-  looked up once, however many devices hold it (a replicated array: once)."""
-  shards = shardtable.shard_table(step_dir, meta, None)
+  ({name: target with shape and sharding}; names the checkpoint does not hold are left out),
+  from the checkpoint's shard table (`shardtable.shard_table`). `local`: this process's devices
+  alone (the others' sets stay empty). Each distinct box is looked up once, however many
+  devices hold it (a replicated array: once)."""
   out = [set() for _ in range(count)]
   for name, x in want.items():
     if name not in shards:
@@ -299,9 +298,10 @@ def _overlap(box: Box, shard: Mapping[str, Any]) -> bool:
       max(a, s0) < min(b, s0 + n) for (a, b), s0, n in zip(box, shard['start'], shard['shape']))
 
 
-def unread(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any]) -> set[str]:
+def unread(meta: Mapping[str, Any], want: Mapping[str, Any], shards: Mapping[str,
+                                                                             list]) -> set[str]:
   """The state files a restore of `want` on this process reads nothing from."""
-  needed = needed_files(step_dir, meta, want, jax.process_count(), local=True)
+  needed = needed_files(shards, want, jax.process_count(), local=True)
   return set(state_files(meta)) - needed[jax.process_index()]
 
 

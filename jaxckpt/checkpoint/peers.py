@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -43,6 +44,8 @@ from .tree import named_leaves
 SMALL = 64 << 10  # the window of small files (a manifest, the run state)
 META = (layout.RUN_STATE, shardtable.SHARDS, layout.MANIFEST)  # a checkpoint's own files besides
 # its state (shards.json where the manifest lists it), sent in this order: the manifest last
+
+_log = logging.getLogger(__name__)
 
 
 def _own_files(m: Mapping[str, Any]) -> list[str]:
@@ -124,7 +127,11 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
     mine = _intact(ckpt_dir, step, seal)
     intact = group.collect(f'peers/intact/{round_}', what, json.dumps(mine))
     if group.leader:
-      plan = _plan(ckpt_dir, step, [json.loads(v) for v in intact], target, group.count, remote)
+      try:
+        plan = _plan(ckpt_dir, step, [json.loads(v) for v in intact], target, group.count, remote)
+      except CheckpointError as e:  # its shard table is damaged here: said, and passed over
+        _log.warning('step %d passed over for a restore from the peers: %s', step, e.what)
+        plan = None
       if plan is None:  # a damaged part no one else holds: take that one out, try again
         for k, v in enumerate(intact):
           views[k].get(str(step), {})['files'] = {r: 0 for r in json.loads(v)}
@@ -186,7 +193,7 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
     return None  # process 0 sends the run state, the shard table and the manifest: sound ones
   seal = manifest.seal_of(raw)
   on_remote = remote is not None and (remote.step, remote.seal) == (step, seal)
-  needs = multihost.needed_files(path, m, named_leaves(target), count)
+  needs = multihost.needed_files(shardtable.shard_table(path, m, None), named_leaves(target), count)
   moves = []
   for rel in multihost.state_files(m):
     holders = [k for k in range(count) if rel in intact[k]]
@@ -284,6 +291,11 @@ def _commit(work: Path, final: Path, raw: bytes, seal: str, step: int) -> None:
     raise CheckpointError(
         'E-CKPT-003', f'the manifest of step {step} sent by process 0 does not '
         'match its seal', 'restart the job')
+  m = manifest.parse(work, raw)  # what came with it (the run state, the shard table) matches it
+  bad = manifest.file_problems(work, {**m, 'files': {r: m['files'][r] for r in _own_files(m)}})
+  if bad:
+    raise CheckpointError('E-CKPT-003', f'step {step} as received from process 0: {bad[0]}',
+                          'restart the job')
   atomic.fsync_dir(work / layout.STATE_DIR)
   if final.exists():
     atomic.write_file_durably(work / layout.MANIFEST, raw)

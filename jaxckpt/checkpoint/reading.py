@@ -15,18 +15,41 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from . import layout, multihost, orbaxstore, shardtable
+from . import layout, manifest, multihost, orbaxstore, shardtable
+from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file, read_state_file
 
 
-def read_arrays(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any], *,
-                checksums: bool, verify: bool, partial: bool) -> dict[str, jax.Array]:
+def shard_rows(step_dir: Path, raw: bytes, meta: Mapping[str, Any], *,
+               verify: bool) -> dict[str, list] | None:
+  """The shard table of a checkpoint read from several state files (across processes), read
+  once for a restore, and only once the manifest (`raw`) matches its seal when `verify`; None
+  for a single state file on one process, or orbax."""
+  single = data_file(meta)
+  if meta.get('storage') != SAFETENSORS or (jax.process_count() == 1 and single):
+    return None
+  if verify and (problem := manifest.check_seal(raw, meta)):
+    raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problem}',
+                          'resume from an earlier checkpoint')
+  return shardtable.shard_table(step_dir, meta, single)
+
+
+def read_arrays(step_dir: Path,
+                meta: Mapping[str, Any],
+                want: Mapping[str, Any],
+                *,
+                checksums: bool,
+                verify: bool,
+                partial: bool,
+                shards: Mapping[str, list] | None = None) -> dict[str, jax.Array]:
   """{name: array} of the tensors `want` names (each a `ShapeDtypeStruct` with its sharding or
-  an array). `verify=False`: the caller's check just read the file (no direct I/O needed)."""
+  an array). `verify=False`: the caller's check just read the file (no direct I/O needed).
+  `shards`: the checkpoint's shard table, when the caller read it already."""
   single = data_file(meta)
   if meta.get('storage') == SAFETENSORS and (jax.process_count() > 1 or 'state_files' in meta):
-    return multihost.restore(
-        step_dir, shardtable.shard_table(step_dir, meta, single), want, checksums=checksums)
+    if shards is None:
+      shards = shardtable.shard_table(step_dir, meta, single)
+    return multihost.restore(step_dir, shards, want, checksums=checksums)
   if single:
 
     def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:

@@ -1,7 +1,7 @@
 """Where each shard of a checkpoint written by several processes is: `shards.json`.
 
-A checkpoint of N processes has about N shards of every array (a fully sharded job: 1024
-processes x andrea_120m's 449 leaves is 460,000 shards). Listed in `manifest.json` itself, they
+A checkpoint of N processes has up to N shards of every array (a fully sharded job: 1024
+processes and andrea_120m's 449 leaves make 194,000 shards; a 70B-parameter tree, 3 million). Listed in `manifest.json` itself, they
 made every reader of the manifest parse all of them (`latest`, `inspect`, a retention pass) and
 process 0 parse and re-encode every process's record at each commit. So they are a file of their
 own beside the state files:
@@ -15,15 +15,17 @@ parses, then its shards as JSON, which process 0 copies into `shards.json` as th
 order, so that every process that commits a part (each host's own disk) writes the same bytes. A
 shard is {array, file, tensor, start, shape, crc32}. A reader takes `shards.json` only at the size
 and CRC-32 the sealed manifest gives it, and checks every row before it is used: its file is a
-state file of the checkpoint, its box lies inside its array. Manifests from before this file
-(format 1) list the shards in their tensor rows, and are read as they are.
+state file of the checkpoint, its box lies inside its array, and an array's rows add up to its
+shape. Manifests from before this file (format 1) list the shards in their tensor rows, and are
+read as they are; a jaxckpt from before it refuses format 2 (E-CKPT-006: upgrade jaxckpt).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 from . import atomic, layout
 from .checksum import crc32
@@ -47,9 +49,14 @@ def part_record(rel: str, written: Mapping[str, Any], crcs: Mapping[str, str],
   return head + '\n' + json.dumps(shards, separators=(',', ':'))
 
 
-def merge_records(records: Iterable[str]) -> tuple[dict[str, dict], list[str]]:
+def merge_records(records: list[str], *, expect: int) -> tuple[dict[str, dict], list[str]]:
   """({file: {size, crc32}}, each record's shard rows as posted) from every process's
-  `part_record`, in process order: only the first line of each is parsed."""
+  `part_record`, in process order: only the first line of each is parsed. E-DIST-002 unless
+  there are `expect` of them (a store that answered with fewer commits nothing)."""
+  if len(records) != expect:
+    raise CheckpointError('E-DIST-002',
+                          f'the key-value store gave {len(records)} of {expect} part records',
+                          'nothing was committed; the next save tries again')
   files, parts = {}, []
   for record in records:
     head, _, shards = record.partition('\n')
@@ -92,7 +99,12 @@ def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> 
   """{array: [shard rows]} of a checkpoint, every row checked: from `shards.json`, from the
   manifest's tensor rows (format 1), or, for a single-file checkpoint, each tensor as one whole
   shard of `single`."""
-  shapes = {r['name']: r['shape'] for r in meta['tensors']}
+  tensors = meta.get('tensors')
+  if not isinstance(tensors, list) or not all(
+      isinstance(r, dict) and isinstance(r.get('name'), str) and _counts(r.get('shape'))
+      for r in tensors):
+    raise CheckpointError('E-CKPT-012', f'{step_dir}: a malformed tensor table', _DAMAGED)
+  shapes = {r['name']: r['shape'] for r in tensors}
   files = set(meta.get('state_files') or ())
   if meta.get(KEY) is None:
     out = {}
@@ -105,30 +117,24 @@ def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> 
       shards = row.get('shards') or ()
       out[name] = [_checked(step_dir, s, name, shapes, files) for s in shards] or [whole]
     return out
-  body = _read(step_dir, meta)
-  # A restore asks twice (which files it needs, then the reads): the second time the bytes are
-  # read and checked again, the rows not. Keyed by the manifest's seal too, which covers the
-  # tensor table the rows are checked against. The table returned is shared: read it only.
-  key = (str(step_dir), meta.get('manifest_crc32'), meta['files'][SHARDS]['crc32'], len(body))
-  if _last[0] == key:
-    return _last[1]
   out = {name: [] for name in shapes}
-  for part in _parse(step_dir, body):
+  for part in _parse(step_dir, _read(step_dir, meta)):
     for s in part:
       array = s.get('array') if isinstance(s, dict) else None
       row = _checked(step_dir, s, array, shapes, files)
       out[array].append(row)
-  _last[:] = [key, out]
+  for name, rows in out.items():  # each shard is written once: the rows partition the array
+    if rows and sum(math.prod(r['shape']) for r in rows) != math.prod(shapes[name]):
+      raise CheckpointError(
+          'E-CKPT-012', f'{step_dir}: the shard rows of {name} do not add up to its shape '
+          f'{shapes[name]}', _DAMAGED)
   return out
-
-
-_last: list = [None, None]  # the key and the table of the last shards.json read
 
 
 def _read(step_dir: Path, meta: Mapping[str, Any]) -> bytes:
   """`shards.json`'s bytes, once they are the size and CRC-32 the manifest says."""
-  name = meta[KEY]
-  want = (meta.get('files') or {}).get(name) if isinstance(name, str) else None
+  name, table = meta[KEY], meta.get('files')
+  want = table.get(name) if isinstance(name, str) and isinstance(table, Mapping) else None
   if name != SHARDS or not isinstance(want, Mapping):
     raise CheckpointError(
         'E-CKPT-012', f'{step_dir}: the manifest names a shard table {name!r:.80} its files '
@@ -137,8 +143,7 @@ def _read(step_dir: Path, meta: Mapping[str, Any]) -> bytes:
   try:
     body = path.read_bytes()
   except OSError as e:
-    raise CheckpointError('E-CKPT-004', f'cannot read {path}: {e.strerror or e}',
-                          'the file is missing; verify the checkpoint') from e
+    raise CheckpointError('E-CKPT-012', f'cannot read {path}: {e.strerror or e}', _DAMAGED) from e
   got = entry(body)
   if got != {'size': want.get('size'), 'crc32': want.get('crc32')}:
     raise CheckpointError(
@@ -161,7 +166,8 @@ def _parse(step_dir: Path, body: bytes) -> list:
 
 
 def _counts(value: Any) -> bool:
-  return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)  # pylint: disable=unidiomatic-typecheck
+  whole = lambda n: type(n) is int and n >= 0  # pylint: disable=unidiomatic-typecheck
+  return isinstance(value, list) and all(map(whole, value))
 
 
 def _checked(step_dir: Path, s: Any, array: Any, shapes: Mapping[str, list],
@@ -172,7 +178,7 @@ def _checked(step_dir: Path, s: Any, array: Any, shapes: Mapping[str, list],
   shape = shapes.get(array) if isinstance(array, str) else None
   ok = isinstance(s, dict) and shape is not None and isinstance(s.get('tensor'), str) and \
       isinstance(s.get('file'), str) and layout.member_problem(s['file']) is None and \
-      (not files or s['file'] in files) and isinstance(s.get('crc32'), (str, type(None))) and \
+      (not files or s['file'] in files) and isinstance(s.get('crc32'), str) and \
       _counts(s.get('start')) and _counts(s.get('shape')) and \
       len(s['start']) == len(s['shape']) == len(shape) and \
       all(a + n <= m for a, n, m in zip(s['start'], s['shape'], shape))
