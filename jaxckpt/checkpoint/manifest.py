@@ -239,6 +239,9 @@ def audit(
     return None, [e.what]
   problems = [p for p in (check_seal(raw, m),) if p]
   skip_checksum = set(skip_checksum)
+  rows = checksums and m.get(shardtable.KEY) is not None and shardtable.SHARDS not in skip_checksum
+  if rows:  # its size and CRC-32 are checked with its rows, below: one read of it
+    skip_checksum.add(shardtable.SHARDS)
   try:
     problems += file_problems(
         step_dir, m, checksums=checksums, skip_checksum=skip_checksum, absent_ok=set(absent_ok))
@@ -246,8 +249,7 @@ def audit(
     problems.append(e.what)
   except (KeyError, TypeError, AttributeError) as e:
     problems.append(f'{layout.MANIFEST}: malformed files table ({type(e).__name__}: {e})')
-  if checksums and not problems and m.get(shardtable.KEY) is not None and \
-      shardtable.SHARDS not in skip_checksum:  # every byte is read: every shard row is checked
+  if rows and not problems:  # every byte is read: every shard row is checked
     try:
       shardtable.shard_table(step_dir, m, None)
     except CheckpointError as e:

@@ -34,21 +34,14 @@ def shard_rows(step_dir: Path, raw: bytes, meta: Mapping[str, Any], *,
   return shardtable.shard_table(step_dir, meta, single)
 
 
-def read_arrays(step_dir: Path,
-                meta: Mapping[str, Any],
-                want: Mapping[str, Any],
-                *,
-                checksums: bool,
-                verify: bool,
-                partial: bool,
-                shards: Mapping[str, list] | None = None) -> dict[str, jax.Array]:
+def read_arrays(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any], *,
+                checksums: bool, verify: bool, partial: bool,
+                shards: Mapping[str, list] | None) -> dict[str, jax.Array]:
   """{name: array} of the tensors `want` names (each a `ShapeDtypeStruct` with its sharding or
   an array). `verify=False`: the caller's check just read the file (no direct I/O needed).
-  `shards`: the checkpoint's shard table, when the caller read it already."""
+  `shards`: `shard_rows`'s answer; given, each process reads the byte ranges of its shards."""
   single = data_file(meta)
-  if meta.get('storage') == SAFETENSORS and (jax.process_count() > 1 or 'state_files' in meta):
-    if shards is None:
-      shards = shardtable.shard_table(step_dir, meta, single)
+  if shards is not None:
     return multihost.restore(step_dir, shards, want, checksums=checksums)
   if single:
 
