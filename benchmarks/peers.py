@@ -22,7 +22,8 @@ replacement VM):
    directory is brought back from the peers (`sends`: rounds of `jax.lax.ppermute` in a
    shard_map, 32 MiB windows, disk reads and writes overlapped with the collective), then
    `CheckpointManager.restore` and `jax.block_until_ready`.
-3. remote, every host downloads (`--replicas=0`): what a job without replicas does. A host then
+3. remote, every host downloads: what a job without replicas did before it read parts (see
+   `benchmarks.restore_bytes` for what it does now: each part once in the job). A host then
    holds only its own part and a data-parallel restore needs every part, so every process
    downloads the whole checkpoint (`objects.download`, all of them at once from the one server)
    into ROOT/host{k}/remote, which holds nothing of it, and restores from there. The headline.
@@ -73,7 +74,7 @@ LOST = 1  # the process whose host is lost
 TARGET = 5.0
 PHASES = {  # mode: the row's label
     'peer': 'peer (--replicas=1)',
-    'remote': 'remote, every host downloads (--replicas=0)',
+    'remote': 'remote, every host downloads whole',
     'remote_lost': 'remote, the lost host alone',
 }
 HEADLINE = 'remote'
@@ -107,6 +108,35 @@ def _timed(module, name: str, spent: list) -> None:
   setattr(module, name, wrapped)
 
 
+def build_state(root_dir: Path, process: int, params: float, leaves: int, sharding) -> dict:
+  """The synthetic state on this process's devices (`sharding(shape)` of each leaf, placed one
+  leaf at a time), with its shards' CRCs (and, on process 0, the state's spec) written under
+  `root_dir` for the restores to check against."""
+  import jax
+
+  from benchmarks.common import synthetic_state
+  host = synthetic_state(int(params), leaves)
+  state = {}
+  for name in list(host):
+    x = host.pop(name)  # one leaf at a time: the host copy goes once it is on the device
+    state[name] = jax.make_array_from_callback(x.shape, sharding(x.shape), lambda i, x=x: x[i])
+  jax.block_until_ready(state)
+  digest = {n: _crc(x.addressable_shards[0].data) for n, x in state.items()}
+  (root_dir / f'digest{process}.json').write_text(json.dumps(digest))
+  if process == 0:
+    spec = {n: [list(x.shape), str(x.dtype)] for n, x in state.items()}
+    (root_dir / 'spec.json').write_text(json.dumps(spec))
+  return state
+
+
+def check_restored(root_dir: Path, process: int, state: dict) -> None:
+  """Exits naming the leaves whose restored shards differ from the ones `build_state` made."""
+  want = json.loads((root_dir / f'digest{process}.json').read_text())
+  bad = [n for n, x in state.items() if _crc(x.addressable_shards[0].data) != want[n]]
+  if bad:
+    raise SystemExit(f'process {process}: {len(bad)} leaves restored wrong, e.g. {bad[:3]}')
+
+
 def worker(mode: str, process: int, count: int, coordinator: str, root: str, params: float,
            leaves: int, url: str, timeout: float) -> None:
   """`save` (step 1 with replicas=1; the state's spec and this process's shard CRCs to ROOT), or
@@ -132,18 +162,7 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
     return NamedSharding(mesh, P('data') if split else P())
 
   if mode == 'save':
-    from benchmarks.common import synthetic_state
-    host = synthetic_state(int(params), leaves)
-    state = {}
-    for name in list(host):
-      x = host.pop(name)  # one leaf at a time: the host copy goes once it is on the device
-      state[name] = jax.make_array_from_callback(x.shape, sharding(x.shape), lambda i, x=x: x[i])
-    jax.block_until_ready(state)
-    digest = {n: _crc(x.addressable_shards[0].data) for n, x in state.items()}
-    (root_dir / f'digest{process}.json').write_text(json.dumps(digest))
-    if process == 0:
-      spec = {n: [list(x.shape), str(x.dtype)] for n, x in state.items()}
-      (root_dir / 'spec.json').write_text(json.dumps(spec))
+    state = build_state(root_dir, process, params, leaves, sharding)
     options = CheckpointOptions(replicas=1, keep=0, barrier_timeout_secs=timeout)
     start = time.perf_counter()
     with CheckpointManager(directory, options) as mgr:
@@ -184,19 +203,22 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
   jax.block_until_ready(state)
   done = time.perf_counter()
   mgr.close()
-  want = json.loads((root_dir / f'digest{process}.json').read_text())
-  bad = [n for n, x in state.items() if _crc(x.addressable_shards[0].data) != want[n]]
-  if bad:
-    raise SystemExit(f'process {process}: {len(bad)} leaves restored wrong, e.g. {bad[:3]}')
+  check_restored(root_dir, process, state)
   result = {'seconds': done - start, 'move_s': moved - start, 'restore_s': done - moved, **sources}
   if mode == 'peer':
     result.update(check_s=check[0], permute_s=permute[0], windows=permute[1])
   print('RESULT ' + json.dumps(result), flush=True)
 
 
-def run_workers(mode: str, args, root: Path, url: str) -> list[dict]:
-  """One job of `args.processes` workers in `mode`; each one's RESULT. A worker that fails
-  ends the others (they would wait for it until their timeout)."""
+def run_workers(mode: str,
+                args,
+                root: Path,
+                url: str,
+                module: str = 'benchmarks.peers',
+                extra: tuple[str, ...] = ()) -> list[dict]:
+  """One job of `args.processes` workers of `module` in `mode` (`extra`: more arguments after
+  the common ones); each one's RESULT. A worker that fails ends the others (they would wait for
+  it until their timeout)."""
   coordinator = f'127.0.0.1:{_free_port()}'
   env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX', 'XLA'))}
   env.update(JAX_PLATFORMS='cpu', PYTHONPATH=str(REPO))  # AWS_* of the server are in os.environ
@@ -207,13 +229,13 @@ def run_workers(mode: str, args, root: Path, url: str) -> list[dict]:
     with open(log, 'w') as out:  # a file, not a pipe: no worker blocks on output unread
       procs.append(
           subprocess.Popen([
-              sys.executable, '-m', 'benchmarks.peers', '--worker', mode,
+              sys.executable, '-m', module, '--worker', mode,
               str(k),
               str(args.processes), coordinator,
               str(root),
               str(args.params),
               str(args.leaves), url,
-              str(args.timeout)
+              str(args.timeout), *extra
           ],
                            cwd=REPO,
                            env=env,
@@ -286,21 +308,9 @@ def main(argv=None) -> None:
   ap.add_argument(
       '--scratch', default=tempfile.gettempdir(), help='where the disks of the hosts are')
   args = ap.parse_args(argv)
-  from moto.server import ThreadedMotoServer
-
   from benchmarks.common import print_table, write_results
   from jaxckpt.checkpoint import sends
-  port = _free_port()
-  os.environ.update(
-      AWS_ENDPOINT_URL=f'http://127.0.0.1:{port}',
-      AWS_ACCESS_KEY_ID='bench',
-      AWS_SECRET_ACCESS_KEY='bench',
-      AWS_REGION='us-east-1')
-  logging.getLogger('werkzeug').setLevel(logging.WARNING)  # not a line per request
-  server = ThreadedMotoServer(ip_address='127.0.0.1', port=port, verbose=False)
-  server.start()
-  import boto3
-  boto3.client('s3', endpoint_url=os.environ['AWS_ENDPOINT_URL']).create_bucket(Bucket=BUCKET)
+  server = local_s3(BUCKET)
   url = f's3://{BUCKET}/peers'
   root = Path(tempfile.mkdtemp(prefix='jaxckpt-peers-bench-', dir=args.scratch))
   load_before = os.getloadavg()[0]
@@ -345,6 +355,24 @@ def main(argv=None) -> None:
               load_before, 'load_after': os.getloadavg()[0]
       })
   print(f'wrote {path}')
+
+
+def local_s3(bucket: str):
+  """A moto S3 server in this process, on loopback, holding `bucket` (started; `.stop()` it);
+  the AWS_* variables that reach it are set in os.environ, for the workers too."""
+  from moto.server import ThreadedMotoServer
+  port = _free_port()
+  os.environ.update(
+      AWS_ENDPOINT_URL=f'http://127.0.0.1:{port}',
+      AWS_ACCESS_KEY_ID='bench',
+      AWS_SECRET_ACCESS_KEY='bench',
+      AWS_REGION='us-east-1')
+  logging.getLogger('werkzeug').setLevel(logging.WARNING)  # not a line per request
+  server = ThreadedMotoServer(ip_address='127.0.0.1', port=port, verbose=False)
+  server.start()
+  import boto3
+  boto3.client('s3', endpoint_url=os.environ['AWS_ENDPOINT_URL']).create_bucket(Bucket=bucket)
+  return server
 
 
 def _free_port() -> int:

@@ -9,7 +9,7 @@ The stores' published limits: S3 takes about 3,500 PUT/s and 5,500 GET/s per pre
 every 20 minutes of sustained load, and takes about one write per second to one object name.
 The store here accepts at most its limit in each 1-second window and answers 503 to the rest.
 
-Each host is one uploader as the code runs it (`objects._run_bounded`, `store.Request`): up to
+Each host is one uploader as the code runs it (`transfer.run_bounded`, `store.Request`): up to
 PARALLEL parts in flight, settled oldest first; a part answered 503 is resent by the one
 uploading thread when it is the oldest, after `Retries` (1 s doubling to 30 s, jittered x1-1.5),
 for up to `slow_secs` (120 s) before its upload fails (E-STORE-015). `ramp` rows add what the

@@ -166,6 +166,33 @@ def test_the_remote_fills_in_the_part_no_peer_holds_each_byte_read_once(
         (whole / 'state' / f'process_{k}.safetensors').read_bytes()
 
 
+def test_with_every_disk_wiped_each_process_reads_its_own_part_from_the_remote(
+    tmp_path, compile_cache, s3_server):
+  """A job of fresh machines: process 0 commits the remote checkpoint's own files alone, then
+  each part is read from the remote once in the job, by its own process (a third of the state
+  each), and the replicated arrays' bytes reach the others over the collectives."""
+  from jaxckpt.checkpoint.remote import Store, objects
+  _run(tmp_path, compile_cache, 'save', '10')
+  whole = tmp_path / 'whole' / 'step_00000010'
+  shutil.copytree(tmp_path / 'host0' / 'step_00000010', whole)
+  for k in (1, 2):
+    shutil.copy(_state(tmp_path, k, 10) / f'process_{k}.safetensors', whole / 'state')
+  url = s3_server.bucket()
+  objects.upload(Store(url), whole, {}, may_write=lambda _: None, may_delete=lambda _: None)
+  for k in range(COUNT):
+    shutil.rmtree(tmp_path / f'host{k}')
+  results = _results(_run(tmp_path, compile_cache, 'restore', url, '10'))
+  assert [r['step'] for r in results] == [10] * COUNT
+  sizes = [(whole / 'state' / f'process_{k}.safetensors').stat().st_size for k in range(COUNT)]
+  assert [r['remote'] for r in results] == sizes
+  assert all(r['own'] == 0 for r in results) and sum(r['peers'] for r in results) > 0
+  for k in range(COUNT):  # each a committed checkpoint, its own part byte-identical
+    assert (tmp_path / f'host{k}' / 'step_00000010' / 'manifest.json').read_bytes() == \
+        (whole / 'manifest.json').read_bytes()
+    assert (_state(tmp_path, k, 10) / f'process_{k}.safetensors').read_bytes() == \
+        (whole / 'state' / f'process_{k}.safetensors').read_bytes()
+
+
 def test_a_host_that_cannot_write_what_it_is_sent_stops_every_process_together(
     tmp_path, compile_cache):
   import os

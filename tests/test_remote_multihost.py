@@ -75,7 +75,7 @@ def test_two_processes_resume_from_the_remote_on_a_fresh_workdir(tmp_path, compi
   assert remote_steps(store)[-1] == 60
 
 
-def test_on_each_host_own_disk_each_uploads_its_part_and_a_new_host_resumes(
+def test_on_each_host_own_disk_each_uploads_its_part_and_new_hosts_read_theirs(
     tmp_path, compile_cache, s3_server, straight):
   url = s3_server.bucket()
   store = Store(url)
@@ -88,10 +88,18 @@ def test_on_each_host_own_disk_each_uploads_its_part_and_a_new_host_resumes(
     assert list(host.rglob(f'process_{1 - k}.safetensors')) == []
     assert list(host.rglob(f'process_{k}.safetensors'))
 
-  shutil.rmtree(hosts[1])  # host 1's VM is replaced; host 0 keeps its disk
+  files = objects.inspect(store, at_kill)[1]['files']  # (remote retention removes it later)
+  sizes = [files[f'state/process_{p}.safetensors']['size'] for p in (0, 1)]
+  for host in hosts:  # both VMs are replaced: their disks go with them
+    shutil.rmtree(host)
   results = _train(compile_cache, tmp_path / 'host{k}', f'--remote={url}')
   assert 'uploaded its part of step 60' in results[1][1], results[1][1][-3000:]
-  assert [e['step'] for e in events_of(hosts[0], 'resumed')][-1] == at_kill
+  resumed = events_of(hosts[0], 'resumed')[-1]
+  assert resumed['step'] == at_kill
+  assert [e['step'] for e in events_of(hosts[0], 'fetched')] == [at_kill]
+  # Each process read its own part from the remote and no more (half the state each): every
+  # byte once in the job; what else its devices need came from the other over the collectives.
+  assert [s['remote'] for s in resumed['sources']['processes']] == sizes
   assert remote_steps(store)[-1] == 60
   whole = objects.download(store, 60, tmp_path / 'downloaded')[0]
   assert_same_bytes(read_host_arrays(whole), _arrays(straight, 60))

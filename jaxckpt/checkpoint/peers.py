@@ -8,13 +8,16 @@ still hold the bytes between them:
    process 0 alone reads what they say (`multihost.Group.collect`).
 2. Process 0 takes the newest checkpoint it holds itself (its records go with it) whose every part
    is held by some process, or by the remote (`Remote`) when the remote has that very commit.
-   Every process then checks the CRC-32 of the parts it holds of it; a damaged one is passed
-   over for another holder, or the remote, or the next checkpoint.
+   When it holds no copy of the remote's newest (every disk wiped, or its own), it first
+   commits that checkpoint's own files alone (`Remote.meta`), so that one needs no process to
+   hold a byte of it. Every process then checks the CRC-32 of the parts it holds of it; a
+   damaged one is passed over for another holder, or the remote, or the next checkpoint.
 3. Process 0 says who sends what to whom: each process needs the parts that hold the shards its
    devices will hold (whatever mesh it restores to), and lacks some of them (a replacement host's
    wiped disk: all of them). A part that some process holds is sent from there; one that no
-   living process holds is read from the remote by one process that needs it, then sent on: each
-   byte of the remote once in the job.
+   living process holds is read from the remote by one process that needs it (of those, the one
+   that has read least so far), then sent on: each byte of the remote once in the job, about
+   1/N of it per process when every process needs every part (replicated arrays).
 4. The parts move point to point, in rounds of sends that run at once, each a JAX collective
    permute in windows (`sends`: NCCL, ICI, gloo on CPU), never a transport of this package's
    own; disk reads and writes overlap the collective. Each part received is CRC-checked against
@@ -39,6 +42,7 @@ import numpy as np
 
 from . import atomic, layout, manifest, multihost, sends, shardtable
 from .errors import CheckpointError
+from .formats import SAFETENSORS, data_file
 from .tree import named_leaves
 
 SMALL = 64 << 10  # the window of small files (a manifest, the run state)
@@ -46,6 +50,12 @@ META = (layout.RUN_STATE, shardtable.SHARDS, layout.MANIFEST)  # a checkpoint's 
 # its state (shards.json where the manifest lists it), sent in this order: the manifest last
 
 _log = logging.getLogger(__name__)
+
+
+def _parts(m: Mapping[str, Any]) -> list[str]:
+  """The state files of manifest `m`: one per process that wrote it, or its single one."""
+  single = data_file(m) if m.get('storage') == SAFETENSORS else None
+  return multihost.state_files(m) or ([single] if single else [])
 
 
 def _own_files(m: Mapping[str, Any]) -> list[str]:
@@ -58,10 +68,18 @@ class Remote:
   """What the remote tier offers a peer restore: its newest intact checkpoint (`step`, with its
   manifest's `seal`) and `fetch(step, rels, step_dir, expect)`, which downloads those files of
   checkpoint `step` into `step_dir` (CRC-checked, each as `expect` says it is: {rel: {size,
-  crc32}}) and returns the bytes read."""
+  crc32}}) and returns the bytes read.
+
+  `meta(step, ckpt_dir)`, when given, commits checkpoint `step` into `ckpt_dir` with its own
+  files alone (manifest, run state, shard table; none of its parts) and returns what came with
+  it ({record name: bytes}, kept in `records`): process 0 calls it when it holds no copy of the
+  remote's newest, which then needs no process to hold a byte of it, each part read from the
+  remote by one process that needs it."""
   step: int | None
   seal: str | None
   fetch: Callable[[int, list[str], Path, Mapping[str, Any]], int]
+  meta: Callable[[int, Path], Mapping[str, bytes]] | None = None
+  records: Mapping[str, bytes] | None = None
 
 
 @dataclasses.dataclass
@@ -83,7 +101,7 @@ def held(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
       if manifest.check_seal(raw, m) or not (path / layout.RUN_STATE).is_file():
         continue
       files = {}
-      for rel in multihost.state_files(m):
+      for rel in _parts(m):
         member = layout.safe_member(path, rel)  # names from a manifest are checked
         if member.is_file() and member.stat().st_size == m['files'][rel]['size']:
           files[rel] = m['files'][rel]['size']
@@ -114,6 +132,13 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
   tidy(ckpt_dir)
   posts = group.collect('peers/held', what, json.dumps(held(ckpt_dir)))
   views = [json.loads(p) for p in posts] if group.leader else []
+  if group.leader and remote is not None and remote.meta is not None and remote.step is not None \
+      and str(remote.step) not in views[0]:
+    try:  # its parts then come from the remote below, each read once
+      remote.records = remote.meta(remote.step, ckpt_dir)
+      views[0] = held(ckpt_dir)
+    except CheckpointError as e:  # said; then nothing newer is whole here: None for everyone
+      _log.warning('step %d: its own files from the remote: %s', remote.step, e.what)
   tried: set[tuple[int, str]] = set()
   for round_ in range(8):  # each round passes one checkpoint over, or a damaged part
     if group.leader:
@@ -124,6 +149,12 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
     if word is None:
       return None
     step, seal = word['step'], word['seal']
+    if word.get('conflict'):
+      raise CheckpointError(
+          'E-DIST-008', f'the hosts hold different commits of step {step}: ' +
+          ', '.join(f'process {k}: {s}' for k, s in [[0, seal]] + word['conflict']),
+          "every host's copy of a checkpoint must be one commit: move the other one away "
+          "(another run's workdir?), then start every process again")
     mine = _intact(ckpt_dir, step, seal)
     intact = group.collect(f'peers/intact/{round_}', what, json.dumps(mine))
     if group.leader:
@@ -160,8 +191,12 @@ def _next(ckpt_dir: Path, views: list[dict], remote: Remote | None,
     for view in views:
       if view.get(key, {}).get('seal') == seal:
         held_by |= set(view[key]['files'])
-    if on_remote or set(multihost.state_files(m)) <= held_by:
-      return {'step': step, 'seal': seal}
+    if on_remote or set(_parts(m)) <= held_by:
+      # Another commit of this step on some host (another run's workdir): never replaced.
+      other = [[k, v[key]['seal']]
+               for k, v in enumerate(views)
+               if v.get(key, {}).get('seal') not in (None, seal)]
+      return {'step': step, 'seal': seal, **({'conflict': other} if other else {})}
   return None
 
 
@@ -176,7 +211,7 @@ def _intact(ckpt_dir: Path, step: int, seal: str) -> list[str]:
     m = manifest.parse(path, raw)
   except (OSError, CheckpointError):
     return []
-  files = multihost.state_files(m) + _own_files(m)
+  files = _parts(m) + _own_files(m)
   bad = manifest.file_problems(path, {**m, 'files': {r: m['files'][r] for r in files}})
   return [r for r in files if not any(p.startswith(f'{r}:') for p in bad)]
 
@@ -193,19 +228,25 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
     return None  # process 0 sends the run state, the shard table and the manifest: sound ones
   seal = manifest.seal_of(raw)
   on_remote = remote is not None and (remote.step, remote.seal) == (step, seal)
-  needs = multihost.needed_files(shardtable.shard_table(path, m, None), named_leaves(target), count)
-  moves = []
-  for rel in multihost.state_files(m):
+  needs = multihost.needed_files(
+      shardtable.shard_table(path, m, data_file(m)), named_leaves(target), count)
+  moves, load = [], [0] * count  # the bytes each process reads from the remote
+  for rel in _parts(m):
     holders = [k for k in range(count) if rel in intact[k]]
     receivers = [k for k in range(count) if rel in needs[k] and rel not in intact[k]]
     if not receivers:
       continue
     if not holders and not on_remote:
       return None
-    own = _owner(rel)  # the part's own process sends it, or reads it from the remote, first
+    own = _owner(rel)  # the part's own process sends it first
+    # One that no process holds is read from the remote by the receiver that has read least
+    # of it so far (its own process first): each byte once in the job, spread over the job.
+    first = own if holders else min(receivers, key=lambda k: (load[k], k != own, k))
+    if not holders:
+      load[first] += m['files'][rel]['size']
     source = (own if own in holders else holders[0]) if holders else -1
-    moves.append([rel, source, sorted(receivers, key=lambda k: (k != own, k))])
-  files = {rel: m['files'][rel] for rel in multihost.state_files(m)}
+    moves.append([rel, source, sorted(receivers, key=lambda k: (k != first, k))])
+  files = {rel: m['files'][rel] for rel in _parts(m)}
   meta = {name: (path / name).stat().st_size for name in whole + [layout.MANIFEST]}
   return {
       'step': step, 'seal': seal, 'files': files, 'meta': meta, 'moves': moves,
@@ -254,14 +295,14 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
       raw = got or b''
     elif got is not None:
       local(lambda got=got, name=name: atomic.write_file_durably(work / name, got))
-  pairs = []  # (part, from, to); a part no process holds is read from the remote first
-  for rel, source, receivers in plan['moves']:
+  pairs, reads = [], []  # (part, from, to); a part no process holds is read from the remote
+  for rel, source, receivers in plan['moves']:  # first, by the receiver named first
     if source == -1:
       source = receivers[0]
-      if me == source:
-        sources['remote'] += local(
-            lambda rel=rel: remote.fetch(step, [rel], work, plan['files'])) or 0
+      reads += [rel] if me == source else []
     pairs += [(rel, source, k) for k in receivers if k != source]
+  if reads:
+    sources['remote'] = local(lambda: remote.fetch(step, reads, work, plan['files'])) or 0
   got, problem = sends.carry(pairs, plan['files'], me, lambda rel: layout.safe_member(work, rel))
   sources['peers'] = got
   problems += [problem] if problem else []

@@ -1,11 +1,15 @@
-"""Where a run with `--replicas` starts from: the peer tier first, the remote for the rest.
+"""Where a run on each host's own disk (with `--remote`) starts from: the disks first, then the
+peers, the remote for the rest.
 
-Each host's workdir is its own disk and each process keeps R other processes' parts beside its
-own (`jaxckpt.checkpoint.replicas`). At a restart the processes bring the newest checkpoint they
-hold between them to what each needs (`jaxckpt.checkpoint.peers`): a host whose disk was wiped
-gets its parts from the hosts that kept replicas of them, over the interconnect, and only parts
-no living process holds come from the remote. When the processes hold nothing newer than the
-remote (or nothing whole), every process takes the remote's newest, as without replicas.
+Each host's workdir is its own disk; with `--replicas=R` each process also keeps R other
+processes' parts beside its own (`jaxckpt.checkpoint.replicas`). At a restart the processes
+bring the newest checkpoint they hold between them to what each needs
+(`jaxckpt.checkpoint.peers`): a host whose disk was wiped gets its parts from the hosts that
+kept replicas of them, over the interconnect, and only parts no living process holds come from
+the remote, each read once in the job by one process that needs it. When process 0 holds no
+copy of the remote's newest, it takes that checkpoint's own files and the run's records from
+the remote first: a job of fresh machines reads each byte of it once between them, not once
+per host. Only when nothing is whole that way does every process download the remote's newest.
 
 The `resumed` event says, per process, the bytes that came from its own disk, from its peers
 and from the remote (`sources`).
@@ -21,8 +25,9 @@ from typing import Any
 from absl import logging
 
 from jaxckpt.checkpoint import multihost, peers
-from jaxckpt.checkpoint.remote import partial
+from jaxckpt.checkpoint.remote import objects, partial
 from jaxckpt.errors import UsageError
+from jaxckpt.hosts import remote_start
 
 
 def check(replicas: int, *, remote: Any, shared: bool, count: int, workdir: Path, part_bytes: int,
@@ -61,10 +66,16 @@ def resume_point(run, ckpt_dir: Path, target: Any, timeout_secs: float) -> Path 
   # Process 0 decides what the remote holds; any process may be the one to read a part of it.
   remote = partial.peer_source(run.store, run.start_step, inspect=run.leader)
   got = peers.restore_dir(ckpt_dir, target, group, remote)
-  if got is None:  # nothing newer than the remote between the peers: its newest, whole, on
-    run.sync_down(ckpt_dir, fetch=True, local_too=False)  # every host (they hold different ones)
+  if got is None:  # nothing whole between the peers and the remote's parts: its newest, whole,
+    run.sync_down(ckpt_dir, fetch=True, local_too=False)  # on every host
     return run.resume_point(ckpt_dir)
   seconds = round(time.monotonic() - t0, 3)
+  if remote.records is not None and got.step == remote.step:  # process 0 took the remote's
+    taken, added = remote_start.take_records(run, got.step, remote.records)
+    run.fetched = {
+        'step': got.step, 'url': run.store.join(objects.step_prefix(got.step)),
+        'bytes': got.sources['remote'], 'seconds': seconds, 'records': taken, 'later_events': added
+    }
   every = group.collect('peers/sources', 'a restore from the peers', json.dumps(got.sources))
   mb = {k: f'{v / 1e6:.1f}' for k, v in got.sources.items()}
   logging.info(

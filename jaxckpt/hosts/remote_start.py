@@ -93,26 +93,33 @@ def fetch_step(run,
   logging.info('fetching step %d from %s (the newest intact checkpoint%s)', step, run.store.url,
                f'; local has {local_step}' if local_step is not None else '')
   path, got = objects.download(run.store, step, ckpt_dir, progress=_Progress(step))
-  later, added = None, 0
-  if records and run.leader and got.get(EVENTS) is not None:
-    later = later_events(run.store, got[EVENTS])
-  if later is not None:  # this run's events past the step, to the end of the start that sent them
-    added = later[len(got[EVENTS]):].count(b'\n')
-    logging.info("the run's events past step %d: %d record(s) from %s", step, added,
-                 run.store.join(RUN_EVENTS))
-    got = {**got, EVENTS: later}
-  for name, data in got.items():
-    if records and name in APPEND_ONLY + REWRITTEN and run.leader:
-      atomic.write_file_durably(run.workdir / name, data)
-  seconds = round(time.monotonic() - t0, 3)
+  taken, added = take_records(run, step, got) if records else ([], 0)
   run.fetched = {
       'step': step, 'url': run.store.join(objects.step_prefix(step)),
-      'bytes': sum(p.stat().st_size for p in path.rglob('*') if p.is_file()), 'seconds': seconds,
-      'records': sorted(got) if records else [], 'later_events': added
+      'bytes': sum(p.stat().st_size for p in path.rglob('*') if p.is_file()),
+      'seconds': round(time.monotonic() - t0, 3), 'records': taken, 'later_events': added
   }
   logging.info('fetched step %d: %.1f MB in %.1f s', step, run.fetched['bytes'] / 1e6,
                run.fetched['seconds'])
   return path
+
+
+def take_records(run, step: int, got: dict[str, bytes]) -> tuple[list[str], int]:
+  """Process 0: the run's records that came with remote step `step` (`got`) written into the
+  workdir, its events continued by `URL/run/events.jsonl` where that continues them; returns
+  (the records' names, the events added past the step). The others write nothing."""
+  if not run.leader:
+    return [], 0
+  added = 0
+  if got.get(EVENTS) is not None and (later := later_events(run.store, got[EVENTS])) is not None:
+    added = later[len(got[EVENTS]):].count(b'\n')  # this run's events past the step, to the
+    logging.info("the run's events past step %d: %d record(s) from %s", step, added,
+                 run.store.join(RUN_EVENTS))  # end of the start that sent them
+    got = {**got, EVENTS: later}
+  for name, data in got.items():
+    if name in APPEND_ONLY + REWRITTEN:
+      atomic.write_file_durably(run.workdir / name, data)
+  return sorted(got), added
 
 
 def replace_damaged(run, path: Path, ckpt_dir: Path) -> Path | None:
@@ -195,5 +202,5 @@ class _Progress:
 
 __all__ = [
     'APPEND_ONLY', 'REWRITTEN', 'RUN_EVENTS', 'fetch_step', 'later_events', 'replace_damaged',
-    'send_events', 'sync_down'
+    'send_events', 'sync_down', 'take_records'
 ]

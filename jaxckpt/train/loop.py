@@ -139,7 +139,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           'holds only its part of a checkpoint)', 'use --resume=latest: the run resumes from '
           'the newest checkpoint of --remote')
     replicas = config.checkpoint.get('replicas', 0)
-    trainer = build_trainer(config) if replicas else None  # the peer tier needs its shardings
+    own_disks = remote is not None and not shared  # the peer tier restores: it needs shardings
+    trainer = build_trainer(config) if replicas or own_disks else None
     if replicas:
       peer_start.check(
           replicas,
@@ -152,17 +153,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     # A newer remote checkpoint (and its records) comes down; the others wait for process 0's.
     distributed.together(
         'remote_synced', lambda: remote and remote.sync_down(
-            ckpt_dir,
-            resume=resume,
-            fetch=resume == 'latest' and (distributed.leader() or not shared) and not replicas))
+            ckpt_dir, resume=resume, fetch=resume == 'latest' and distributed.leader() and shared))
     if shared or resume != 'latest':
       resume_dir = distributed.together('resume_point',
                                         lambda: resume_lib.find_resume_point(resume, ckpt_dir))
-    elif replicas:  # the newest checkpoint the hosts hold between them, the remote for the rest
+    else:  # the newest checkpoint the hosts hold between them, the remote for the rest
       resume_dir = peer_start.resume_point(remote, ckpt_dir, trainer.abstract_state(),
                                            distributed.current().timeout_secs)
-    else:  # each host's own disk holds its parts alone: the remote's newest is the whole one
-      resume_dir = remote.resume_point(ckpt_dir)
     # By seal, not name: hosts can hold different commits of one step (another history's).
     distributed.agree('resume', str(resume_dir and commit_label(resume_dir)),
                       'the checkpoint to resume from')

@@ -23,7 +23,8 @@ from ..atomic import TMP_MARK
 from ..checksum import crc32_combine
 from ..errors import CheckpointError
 from .bounds import MAX_PART_BYTES, MIN_PART_BYTES
-from .objects import PARALLEL, PART_BYTES, fetch_file, _never, _put_part, _run_bounded, part_keys
+from .objects import PARALLEL, PART_BYTES, _never, fetch_file
+from .transfer import part_keys, put_part, run_bounded
 from .store import Store
 
 PARTS_INDEX = '.parts.json'
@@ -49,8 +50,8 @@ def put_file(store: Store,
       store.write(key, data)
       return [key]
     crcs: dict[int, tuple[int, int]] = {}
-    tasks = [_put_part(store, k, f, a, b, crcs, None, may_write) for k, a, b in keys]
-    _run_bounded(tasks, lambda item: store.finish('write', *item), parallel)
+    tasks = [put_part(store, k, f, a, b, crcs, None, may_write) for k, a, b in keys]
+    run_bounded(tasks, lambda item: store.finish('write', *item), parallel)
   crc = 0
   for start in sorted(crcs):
     crc = crc32_combine(crc, *crcs[start])

@@ -24,19 +24,20 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import threading
 import uuid
-from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping
 
 from .. import atomic, discovery, layout, manifest
-from ..checksum import crc32, crc32_combine
+from ..checksum import crc32
 from ..errors import CheckpointError
 from .bounds import meta_problems, read_manifest, read_prefix, start_read
 from .bounds import short as read_was_short
 from .lease import LeaseError
 from .store import Store, StoreError, paced
+from .transfer import DamagedLocal, check_crc, part_keys, run_bounded, send_files
 
 CHECKPOINTS = 'checkpoints'
 RECORDS = 'run'
@@ -48,11 +49,6 @@ _ATTEMPT = re.compile(r'^a-[0-9a-f]{8,32}$')
 
 def _never(what: str) -> None:
   """The default fence: writes are not checked (a store without a lease)."""
-
-
-class DamagedLocal(CheckpointError):
-  """A local file does not match its manifest (size or CRC-32) while it is uploaded: it is never
-  committed remotely. Retrying cannot help; the remote copy, if any, is the one to trust."""
 
 
 class Conflict(LeaseError):
@@ -79,41 +75,6 @@ def object_key(store: Store, step: int, rel: str) -> str:
   return data_prefix(step, _read_meta(store, step)[0]) + rel
 
 
-def part_keys(rel: str, size: int, part_bytes: int) -> list[tuple[str, int, int]]:
-  """[(key, start, stop)] of the objects that hold file `rel` (relative to its step prefix)."""
-  if size <= part_bytes:
-    return [(rel, 0, size)]
-  return [(f'{rel}.part-{i:05d}', start, min(start + part_bytes, size))
-          for i, start in enumerate(range(0, size, part_bytes))]
-
-
-def _run_bounded(tasks: list[Callable[[], Any]], finish: Callable[[Any], None], parallel: int):
-  """Starts `tasks` (each returns a future), at most `parallel` in flight; `finish` each result
-  in order. Raises the first error, after the futures already started have settled."""
-  pending: deque = deque()
-  error = None
-  for task in tasks:
-    if error is None:
-      try:
-        pending.append(task())
-      except BaseException as e:  # noqa: BLE001 - re-raised below
-        error = e
-    while pending and (len(pending) >= parallel or error is not None):
-      error = _settle(pending.popleft(), finish, error)
-  while pending:
-    error = _settle(pending.popleft(), finish, error)
-  if error is not None:
-    raise error
-
-
-def _settle(item, finish, error):
-  try:
-    finish(item)
-  except BaseException as e:  # noqa: BLE001 - the first one wins
-    return error or e
-  return error
-
-
 def _read_meta(store: Store, step: int) -> tuple[dict[str, Any] | None, bytes]:
   """(the step's `remote.json`, or None when absent or not ours; its generation)."""
   raw, generation = store.read_generation(step_prefix(step) + REMOTE_META)
@@ -125,58 +86,6 @@ def _read_meta(store: Store, step: int) -> tuple[dict[str, Any] | None, bytes]:
                                     and not _ATTEMPT.match(str(meta['attempt']))):
     meta = None  # a name from the bucket that is not one of ours is never a path to follow
   return meta, generation
-
-
-def _send(store: Store, data: str, step_dir: Path, sending: Mapping[str, Mapping[str, Any]],
-          part_bytes: int, parallel: int, may_write: Callable[[str], None]) -> int:
-  """Sends each file of `sending` under `data`, CRC-checking its bytes as they are read: a file
-  whose CRC-32 is not its manifest's raises `DamagedLocal` (one up to `part_bytes` long before
-  it is sent; a longer one before the commit, which never comes)."""
-  # Every handle is closed whatever fails, the opening of a later file too (local retention
-  # removed it): the uploader retries, and each retry would otherwise keep the earlier ones.
-  with contextlib.ExitStack() as opened:
-    handles = {
-        rel: opened.enter_context(open(layout.safe_member(step_dir, rel), 'rb')) for rel in sending
-    }
-    crcs: dict[str, dict[int, tuple[int, int]]] = {rel: {} for rel in sending}
-    tasks = []
-    for rel, want in sending.items():
-      keys = part_keys(rel, want['size'], part_bytes)
-      for key, start, stop in keys:
-        check = want['crc32'] if len(keys) == 1 else None
-        tasks.append(
-            _put_part(store, data + key, handles[rel], start, stop, crcs[rel], check, may_write))
-    _run_bounded(tasks, lambda item: store.finish('write', *item), parallel)
-  for rel, want in sending.items():
-    _check_crc(str(step_dir / rel), crcs[rel], want['crc32'])
-  return sum(w['size'] for w in sending.values())
-
-
-def _check_crc(name: str, crcs: Mapping[int, tuple[int, int]], want: str) -> None:
-  crc = 0
-  for start in sorted(crcs):
-    crc = crc32_combine(crc, *crcs[start])  # from crc32(b'') == 0
-  if f'{crc:08x}' != want:
-    raise DamagedLocal('E-STORE-013',
-                       f'{name}: checksum mismatch (crc32 {crc:08x}, manifest says {want})',
-                       'the local checkpoint is damaged; it is not uploaded')
-
-
-def _put_part(store: Store, key: str, f, start: int, stop: int, crcs: dict, check: str | None,
-              may_write: Callable[[str], None]):
-
-  def task():
-    data = os.pread(f.fileno(), stop - start, start)
-    if len(data) != stop - start:
-      raise DamagedLocal('E-STORE-013', f'{f.name} is shorter than its manifest says',
-                         'the local checkpoint is damaged; it is not uploaded')
-    crcs[start] = (crc32(data), stop - start)
-    if check is not None:  # the whole file: checked before a byte of it leaves
-      _check_crc(f.name, crcs, check)
-    may_write(store.join(key))
-    return key, store.start_write(key, data)
-
-  return task
 
 
 def holds(store: Store, step_dir: Path) -> bool:
@@ -198,7 +107,8 @@ def upload(store: Store,
            may_commit: Callable[[], None] = lambda: None,
            may_delete: Callable[[str], None] = _never,
            part_bytes: int = PART_BYTES,
-           parallel: int = PARALLEL) -> tuple[int, dict[str, Any]]:
+           parallel: int = PARALLEL,
+           memory: Mapping[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
   """Copies the committed checkpoint `step_dir` and `records` ({name: bytes}) to `store` under
   `attempt` (a fresh name when None); returns (the bytes sent, its manifest). Every file is
   opened before the first byte is sent, so local retention deleting the checkpoint meanwhile
@@ -209,17 +119,17 @@ def upload(store: Store,
   Across processes each sends the `files(manifest's files)` that are its own, under the one
   attempt process 0 names, and only process 0 `commit`s: the records, the manifest and, once
   every other part is there, `remote.json`. A step committed by another writer meanwhile raises
-  `Conflict` E-STORE-007."""
+  `Conflict` E-STORE-007. `memory`: {file: its `staging.InMemory`}, read instead of the disk
+  while the save's staging buffer still holds it."""
   raw, m = discovery.read_manifest_bytes(step_dir)
   step, attempt = m['step'], attempt or new_attempt()
-  prefix = step_prefix(step)
-  data = f'{prefix}{attempt}/'
+  prefix, data = step_prefix(step), f'{step_prefix(step)}{attempt}/'
   before, generation = _read_meta(store, step) if commit else (None, b'')
   sending = {
       rel: m['files'][rel]
       for rel in (list(m['files']) if files is None else files(list(m['files'])))
   }
-  sent = _send(store, data, step_dir, sending, part_bytes, parallel, may_write)
+  sent = send_files(store, data, step_dir, sending, part_bytes, parallel, may_write, memory)
   if not commit:
     return sent, m
   meta = {
@@ -300,8 +210,7 @@ def inspect(
   and the object listing (no data is read)."""
   prefix = step_prefix(step)
   where = store.join(prefix.rstrip('/'))
-  if keys is None:
-    keys = [k[len(prefix):] for k in store.list(prefix)]
+  keys = [k[len(prefix):] for k in store.list(prefix)] if keys is None else keys
   meta, _ = _read_meta(store, step)
   data = data_prefix(step, meta)
   raw = read_manifest(store, data + layout.MANIFEST, meta)  # no more than it says
@@ -355,18 +264,18 @@ def delete(store: Store, step: int, may_delete: Callable[[str], None] = _never) 
         os.rmdir(folder)
 
 
-def download(
-    store: Store,
-    step: int,
-    ckpt_root: Path,
-    *,
-    parallel: int = PARALLEL,
-    progress: Callable[[int, int],
-                       None] = lambda done, total: None) -> tuple[Path, dict[str, bytes]]:
+def download(store: Store,
+             step: int,
+             ckpt_root: Path,
+             *,
+             parallel: int = PARALLEL,
+             progress: Callable[[int, int], None] = lambda done, total: None,
+             only: Collection[str] | None = None) -> tuple[Path, dict[str, bytes]]:
   """Downloads remote checkpoint `step` into `ckpt_root/step_<n>` (published with its manifest
   last, like a local commit) and returns (that directory, {record name: bytes}). Every byte is
   checked against the manifest's CRC-32 while it is read: a mismatch raises E-STORE-012 and
-  leaves nothing behind."""
+  leaves nothing behind. `only`: the state files to fetch (the others stay absent, as other
+  processes' parts on each host's own disk); its run state and shard table always come."""
   raw, m, meta, problems = inspect(store, step)
   where = store.join(step_prefix(step).rstrip('/'))
   if problems:
@@ -374,8 +283,9 @@ def download(
                           'take an older remote checkpoint')
   prefix, part_bytes = data_prefix(step, meta), meta['part_bytes']
   tmp = layout.temporary_dir(ckpt_root, step)
-  total = sum(w['size'] for w in m['files'].values())
-  done, lock = [0], threading.Lock()
+  skip = set(m.get('state_files') or ()) - set(m['files'] if only is None else only)
+  files = {rel: want for rel, want in m['files'].items() if rel not in skip}
+  total, done, lock = sum(w['size'] for w in files.values()), [0], threading.Lock()
 
   def progressed(n: int) -> None:
     with lock:
@@ -384,11 +294,11 @@ def download(
 
   try:
     tmp.mkdir(parents=True)
-    for rel, want in m['files'].items():
+    for rel, want in files.items():
       path = layout.safe_member(tmp, rel)
       path.parent.mkdir(parents=True, exist_ok=True)
-      fetch_file(store, prefix, rel, want, part_bytes, path, parallel, progressed,
-                  f'{where}/{rel}', 'take an older remote checkpoint')
+      fetch_file(store, prefix, rel, want, part_bytes, path, parallel, progressed, f'{where}/{rel}',
+                 'take an older remote checkpoint')
     records = {}
     for name, want in meta.get('records', {}).items():
       data = read_prefix(store, f'{prefix}{RECORDS}/{name}', want['size']) or b''
@@ -404,15 +314,14 @@ def download(
     atomic.publish_dir(tmp, final)
     atomic.fsync_dir(ckpt_root)
   except BaseException:
-    import shutil
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return final, records
 
 
 def fetch_file(store: Store, prefix: str, rel: str, want: Mapping[str, Any], part_bytes: int,
-                path: Path, parallel: int, progressed: Callable[[int],
-                                                                None], name: str, fix: str) -> None:
+               path: Path, parallel: int, progressed: Callable[[int],
+                                                               None], name: str, fix: str) -> None:
   """Reads the objects of file `rel` under `prefix` into `path` (fsynced), its CRC-32 checked
   against `want`; E-STORE-012 when an object is missing, the wrong size or the CRC differs."""
   crcs: dict[int, tuple[int, int]] = {}
@@ -436,10 +345,10 @@ def fetch_file(store: Store, prefix: str, rel: str, want: Mapping[str, Any], par
 
     tasks = [(lambda k=k, a=a, b=b: (k, a, b, start_read(store, prefix + k, b - a)))
              for k, a, b in part_keys(rel, want['size'], part_bytes)]
-    _run_bounded(tasks, finish, parallel)
+    run_bounded(tasks, finish, parallel)
     os.fsync(f.fileno())
   try:
-    _check_crc(name, crcs, want['crc32'])
+    check_crc(name, crcs, want['crc32'])
   except DamagedLocal as e:
     raise CheckpointError('E-STORE-012', e.what, fix) from None
 

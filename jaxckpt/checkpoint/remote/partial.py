@@ -15,14 +15,18 @@ from .store import Store
 
 def peer_source(store: Store, step: int | None, *, inspect: bool = True):
   """`peers.Remote` for remote checkpoint `step` (its newest intact one; None: none there);
-  its seal read from the store when `inspect` (the process that decides)."""
+  its seal read from the store when `inspect` (the process that decides). Its `meta` downloads
+  the checkpoint's own files and records (`objects.download` of none of its parts)."""
   from ..peers import Remote  # pylint: disable=import-outside-toplevel
   seal = None
   if step is not None and inspect:
     raw, _, _, problems = objects.inspect(store, step)
     seal = manifest.seal_of(raw) if raw is not None and not problems else None
-  return Remote(step if seal or not inspect else None, seal,
-                lambda at, rels, into, expect: fetch_files(store, at, rels, into, expect))
+  return Remote(
+      step if seal or not inspect else None,
+      seal,
+      lambda at, rels, into, expect: fetch_files(store, at, rels, into, expect),
+      meta=lambda at, ckpt_dir: objects.download(store, at, ckpt_dir, only=())[1])
 
 
 def fetch_files(store: Store,
