@@ -73,8 +73,7 @@ class CheckpointManager:
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
     self._pending: concurrent.futures.Future | None = None
     self._lock = threading.Lock()
-    self._last_save_step = -1
-    self._last_save_time = clock()
+    self._last_save_step, self._last_save_time, self._in_memory = -1, clock(), {}
     self.removed_debris: list[Path] = []
     self.mode_used: str | None = None  # the mode the last save ran in ('async' or 'sync')
     self.staging_used: str | None = None  # where it staged the state first ('host', 'device')
@@ -320,7 +319,8 @@ class CheckpointManager:
         tuple(deleted),
         tuple(retention_errors),
         staging,
-        staged=staged)
+        staged=staged,
+        in_memory=self._in_memory)
     try:
       self._on_commit(info)
     except CheckpointError:
@@ -335,12 +335,16 @@ class CheckpointManager:
     """Write this process's state file: ({file: {size, crc32}}, the tensor table with CRCs).
     Across processes, every process's files and shards, once all of them are durable."""
     name = statefile.file_name(0 if self._group is None else self._group.index)
+    header = []  # with the region: the file is in memory until the next save stages over it
     written, crcs = statefile.write(
         tmp / layout.STATE_DIR,
         staged,
         region=region,
         name=name,
-        metadata=multihost.header_metadata(places))
+        metadata=multihost.header_metadata(places),
+        on_header=header.append)
+    lent = region is not None and self._stager.lend(header[0], written[name]['size'])
+    self._in_memory = {f'{layout.STATE_DIR}/{name}': lent} if lent else {}
     if self._group is None:
       return {f'{layout.STATE_DIR}/{name}': written[name]}, \
           [{**row, 'crc32': crcs[row['name']]} for row in table]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:  # light to import: `jaxckpt inspect` reads manifests without numpy or jax
   import numpy as np
@@ -86,3 +86,7 @@ class CommitInfo:
   # IMPORTANT: valid only until the next save starts (it reuses these buffers). The next save
   # waits for the callback, so reading them inside it (e.g. to export) is safe; keep no reference.
   staged: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict, repr=False)
+  # {state file: `staging.InMemory`}: the files of this commit still in host memory, which an
+  # upload reads instead of the disk. Safe to keep: once the next save stages over the buffer
+  # they answer None (read the file then).
+  in_memory: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)

@@ -47,6 +47,32 @@ _PREPARE_WAIT_SECS = 120.0
 _PREPARE_WAIT_BYTES_PER_SEC = 50e6
 
 
+class InMemory:
+  """A state file still in host memory after its write: its header and the staging region it
+  was written from, `size` bytes in all. `read` answers until the region is staged over (or let
+  go): then None, and a reader (the upload) goes to the file on disk instead."""
+
+  def __init__(self, header: bytes, region: np.ndarray, size: int):
+    self.size, self.served = size, 0  # the bytes `read` answered from memory
+    self._header, self._data = header, memoryview(region)[:size - len(header)]
+    self._lock = threading.Lock()
+
+  def read(self, start: int, stop: int) -> bytes | None:
+    """Bytes [start, stop) of the file; None once the region is no longer this file's."""
+    with self._lock:  # `revoke` waits for a copy under way (one part: milliseconds)
+      if self._data is None or not 0 <= start <= stop <= self.size:
+        return None
+      h = len(self._header)
+      head = self._header[start:min(stop, h)]
+      out = head + bytes(self._data[max(start - h, 0):max(stop - h, 0)])
+      self.served += len(out)
+      return out
+
+  def revoke(self) -> None:
+    with self._lock:
+      self._data = None
+
+
 class HostStager:
   """Copies named arrays into one host buffer it owns (one staged copy of the state at a time).
 
@@ -65,12 +91,26 @@ class HostStager:
     self._stop_preparing = threading.Event()
     self._prepare_wait = _PREPARE_WAIT_SECS
     self.prepared = False  # the region was laid out by `prepare` and no save has used it yet
+    self._lent: list[InMemory] = []  # files written from the region, read until it changes
+
+  def lend(self, header: bytes, size: int) -> InMemory:
+    """The state file of `size` bytes just written from the region (with `header`), readable
+    from memory until the region is staged over, let go or closed."""
+    held = InMemory(header, self.region, size)
+    self._lent.append(held)
+    return held
+
+  def _revoke(self) -> None:
+    for held in self._lent:
+      held.revoke()
+    self._lent = []
 
   def prepare(self, leaves: Mapping[str, Any]) -> None:
     """Allocate and fault in the region for `leaves` (anything with shape and dtype, e.g.
     `jax.ShapeDtypeStruct`s) on a background thread; `stage` waits for it. Not while a staged
     copy is in use: the caller waits for its save first."""
     self.wait_prepared()
+    self._revoke()
     p = statefile.plan(leaves)  # in the caller's thread: a dtype it cannot save fails here
     size = max(padded(p.data_len), ALIGN)
     if self.region is not None and len(self.region) == size:
@@ -121,6 +161,7 @@ class HostStager:
   def stage(self, leaves: Mapping[str, Any]) -> dict[str, np.ndarray]:
     """Copy `leaves` into the region; returns {name: the host array (a view of the region)}."""
     self.wait_prepared()
+    self._revoke()
     self.prepared = False
     for name, x in leaves.items():
       if isinstance(x, jax.Array):
@@ -172,10 +213,12 @@ class HostStager:
   def release(self) -> None:
     """Let the staged buffer go (a save that writes without a staged copy does not need it)."""
     self.wait_prepared()
+    self._revoke()
     self.region, self._plan, self._views, self.prepared = None, None, {}, False
 
   def close(self) -> None:
     self._stop_preparing.set()  # a prepare still faulting stops within one piece
+    self._revoke()
     try:
       self.wait_prepared()
     finally:

@@ -149,13 +149,16 @@ def write(
     *,
     region: np.ndarray | None = None,
     name: str = file_name(0),
-    metadata: Mapping[str, str] | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    metadata: Mapping[str, str] | None = None,
+    on_header: Callable[[bytes], Any] = lambda header: None
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
   """Write `arrays` as one safetensors file under `directory`, durably.
 
   `region` is the staging buffer `arrays` are views of, laid out by `plan(arrays)` (see
   `staging.HostStager`): it is written as it is. Without it the tensors are gathered into
   aligned bounce buffers as they are written. `metadata` adds strings to the header's
-  `__metadata__`. Returns ({file name: {size, crc32}}, {tensor name: crc32}).
+  `__metadata__`. Returns ({file name: {size, crc32}}, {tensor name: crc32}); `on_header` is
+  handed the header's bytes once the file is durable (the file is them and the data).
   """
   p = plan(arrays)
   if metadata:
@@ -188,6 +191,7 @@ def write(
   finally:
     os.close(fd)
   file_crc = crc32_combine(crc32(header), data_crc, p.data_len)
+  on_header(header.tobytes())
   return {name: {'size': p.header_len + p.data_len, 'crc32': f'{file_crc:08x}'}}, crcs
 
 

@@ -23,7 +23,8 @@
   0 holds the lease, writes the records and commits (`jaxckpt.checkpoint.remote.parts`), and
   says in the job's key-value store which step is committed remotely: a step is durable on
   every process only then, not when this process's part is up. With a workdir on each host's
-  own disk, every process downloads the checkpoint it resumes from.
+  own disk, the job resumes from the newest checkpoint its disks and the remote hold between
+  them, each process reading only the parts its devices need (`jaxckpt.hosts.peer_start`).
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ class RemoteRun:
     self._last_local: int | None = None  # this run's newest local checkpoint
     self._submitted: Path | None = None  # the checkpoint it continues from, as queued
     self._last_records: set[int] = set()  # steps whose records are taken at `finish`
-    self._held: tuple[int, Path] | None = None  # the last commit, uploaded by `finish`
-    self._unsent: tuple[int, Path] | None = None  # the last commit, if the cadence passed it
+    self._held: tuple[int, Path, Any] | None = None  # the last commit, uploaded by `finish`
+    self._unsent: tuple[int, Path, Any] | None = None  # the last commit, if the cadence passed it
     self._last_sent: int | None = None  # the newest step handed to the uploader
     self._committed: tuple[float, int | None] = (-float('inf'), None)  # process 0's word, when
 
@@ -146,9 +147,9 @@ class RemoteRun:
     remote_start.sync_down(self, ckpt_dir, resume=resume, fetch=fetch, local_too=local_too)
 
   def resume_point(self, ckpt_dir: Path) -> Path | None:
-    """Where each host's workdir is its own disk: the newest intact remote checkpoint, which
-    `sync_down` brought here (None: the remote holds none, a fresh start). This host's own parts
-    of newer checkpoints cannot be restored without the others' and are passed over."""
+    """Where each host's workdir is its own disk and the peer restore found nothing whole: the
+    newest intact remote checkpoint, which `sync_down` brought here whole (None: the remote
+    holds none, a fresh start)."""
     if self.start_step is None:
       return None
     return ckpt_dir / layout.step_dirname(self.start_step)
@@ -235,14 +236,15 @@ class RemoteRun:
     last = info.step in self._last_records
     every = self.config.checkpoint.get('keep_every', 0)  # kept for good locally: remotely too
     if not self.cadence.take(info.step, always=last or (every > 0 and info.step % every == 0)):
-      self._unsent = (info.step, info.path)  # `--remote_every`: not this one
+      self._unsent = (info.step, info.path, info.in_memory)  # `--remote_every`: not this one
       self._records.pop(info.step, None)
       return
     self._last_sent = info.step
     if last:
-      self._held = (info.step, info.path)  # `finish` is moments away: the end record first
-    else:
-      self.uploader.submit(info.step, info.path, self._records.pop(info.step, None))
+      self._held = (info.step, info.path, info.in_memory)  # `finish` is moments away: the end
+    else:  # record first
+      self.uploader.submit(
+          info.step, info.path, self._records.pop(info.step, None), memory=info.in_memory)
 
   def durable(self, step: int) -> bool:
     """Whether `step` is committed remotely: on a process other than 0, its part is up and
@@ -307,10 +309,12 @@ class RemoteRun:
       self.close()
       return False
     if self._held is not None:  # the end record is written: it travels with the last commit
-      self.uploader.submit(*self._held, self.capture_now())
+      held, path, memory = self._held
+      self.uploader.submit(held, path, self.capture_now(), memory=memory)
       self._held = None
     elif self._unsent is not None and self._unsent[0] == step:  # an end the loop did not see
-      self.uploader.submit(*self._unsent, self.capture_now())  # (a failure): it goes up too
+      _, path, memory = self._unsent  # (a failure): it goes up too
+      self.uploader.submit(step, path, self.capture_now(), memory=memory)
       self._last_sent, self._unsent = step, None
     grace = self.config.checkpoint.stop_grace_secs if stopping else FINISH_SECS
     deadline = time.monotonic() + grace

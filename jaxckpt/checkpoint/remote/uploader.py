@@ -33,6 +33,7 @@ from .parts import OK, Parts, Superseded
 from .store import Store
 
 Records = Mapping[str, 'bytes | Callable[[], bytes]']
+Memory = Mapping[str, Any]  # {state file: `staging.InMemory`}: read instead of the disk
 _BACKOFF = (1.0, 30.0)
 
 
@@ -76,7 +77,7 @@ class Uploader:
     self.remote_step: int | None = None
     self._stop_asked = -float('inf')
     self.error: str | None = None
-    self._pending: tuple[int, Path, Records] | None = None
+    self._pending: tuple[int, Path, Records, Memory] | None = None
     self._busy_step: int | None = None
     self._epoch = 0  # one more at each replay: an upload of an earlier one is not durable now
     self._fields: dict[int, dict[str, Any] | None] = {}  # `manifest_fields` of remote steps
@@ -88,10 +89,16 @@ class Uploader:
     self._thread = threading.Thread(target=self._run, name='jaxckpt-upload', daemon=True)
     self._thread.start()
 
-  def submit(self, step: int, step_dir: Path, records: Records | None = None) -> None:
+  def submit(self,
+             step: int,
+             step_dir: Path,
+             records: Records | None = None,
+             memory: Memory | None = None) -> None:
     """Queues the committed checkpoint `step_dir` (it replaces one still waiting). `records` are
-    {name: bytes, or a function returning them when the upload runs} uploaded beside it. A step
-    older than one made durable or queued before (a replay) starts `remote_step` over."""
+    {name: bytes, or a function returning them when the upload runs} uploaded beside it;
+    `memory` ({state file: `InMemory`}, `CommitInfo.in_memory`) is read instead of the disk
+    while the save's buffer holds it. A step older than one made durable or queued before (a
+    replay) starts `remote_step` over."""
     with self._cv:
       if self._dead:
         return
@@ -101,7 +108,7 @@ class Uploader:
         # sending is another history's future, and says nothing of this one's steps.
         self._epoch, self.remote_step, self._pending = self._epoch + 1, None, None
       if self._pending is None or step >= self._pending[0]:
-        self._pending = (step, Path(step_dir), dict(records or {}))
+        self._pending = (step, Path(step_dir), dict(records or {}), dict(memory or {}))
       self._cv.notify_all()
 
   @property
@@ -148,35 +155,36 @@ class Uploader:
           self._cv.wait()
         if self._closed:
           return
-        step, step_dir, records = self._pending
+        step, step_dir, records, memory = self._pending
         self._pending, self._busy_step, epoch = None, step, self._epoch
       try:
-        self._upload(step, step_dir, records, epoch)
+        self._upload(step, step_dir, records, epoch, memory)
         backoff = _BACKOFF[0]
       except LeaseError as e:
         if e.lost:  # to another writer (or a commit changed under it): for good
           self._fail(step, e, fatal=True)
           return
-        self._retry(step, step_dir, records, e, backoff, epoch)  # not renewed: it may be yet
+        self._retry((step, step_dir, records, memory), e, backoff, epoch)  # not renewed yet
         backoff = min(backoff * 2, _BACKOFF[1])
       except DamagedLocal as e:  # the local copy will not get better: never retried
         self._fail(step, e)
       except Superseded as e:  # a newer checkpoint is due: the next round uploads it
         logging.info('step %d is not committed remotely (%s); a newer one is due', step, e)
       except Exception as e:  # noqa: BLE001 - a store error of any kind: retried
-        self._retry(step, step_dir, records, e, backoff, epoch)
+        self._retry((step, step_dir, records, memory), e, backoff, epoch)
         backoff = min(backoff * 2, _BACKOFF[1])
       finally:
         with self._cv:
           self._busy_step = None
           self._cv.notify_all()
 
-  def _retry(self, step: int, step_dir: Path, records: Records, e: Exception, backoff: float,
+  def _retry(self, job: tuple[int, Path, Records, Memory], e: Exception, backoff: float,
              epoch: int) -> None:
+    step = job[0]
     self._fail(step, e)
     with self._cv:
       if epoch == self._epoch and (self._pending is None or self._pending[0] < step):
-        self._pending = (step, step_dir, records)  # retry it, unless a newer one came
+        self._pending = job  # retry it, unless a newer one came
       self._cv.wait(timeout=backoff)
 
   def _newer(self, step: int) -> bool:
@@ -212,7 +220,8 @@ class Uploader:
       self.error = problem
     self._on_event('upload_failed', error=problem)
 
-  def _upload(self, step: int, step_dir: Path, records: Records, epoch: int) -> None:
+  def _upload(self, step: int, step_dir: Path, records: Records, epoch: int,
+              memory: Memory) -> None:
     t0 = time.monotonic()
     parts = self._parts
     if holds(self.store, step_dir):  # downloaded from the remote, or uploaded before: durable
@@ -232,9 +241,10 @@ class Uploader:
           files=parts.mine,
           commit=False,
           may_write=self._may_write,
-          part_bytes=self._part_bytes)
+          part_bytes=self._part_bytes,
+          memory=memory)
       parts.said(step, OK)
-      self._uploaded(step, sent, time.monotonic() - t0, epoch)
+      self._uploaded(step, sent, time.monotonic() - t0, epoch, memory)
       return
     if self.lease is not None:  # a run that could not renew for a while tries now, once
       self.lease.renewed(f'upload of step {step}')
@@ -248,7 +258,8 @@ class Uploader:
         may_write=self._may_write,
         may_commit=lambda: self._may_commit(step),
         may_delete=self._may_delete,
-        part_bytes=self._part_bytes)
+        part_bytes=self._part_bytes,
+        memory=memory)
     if parts is not None:
       parts.forget(step)  # committed: the words are not needed again (a retry needs them)
     seconds = time.monotonic() - t0
@@ -261,9 +272,14 @@ class Uploader:
         raise
       except (CheckpointError, OSError) as e:  # the next commit tries again
         self._on_event('mirror_failed', prefix=self._mirror.prefix, error=str(e))
-    self._uploaded(step, sent, seconds, epoch)
+    self._uploaded(step, sent, seconds, epoch, memory)
 
-  def _uploaded(self, step: int, sent: int, seconds: float, epoch: int) -> None:
+  def _uploaded(self,
+                step: int,
+                sent: int,
+                seconds: float,
+                epoch: int,
+                memory: Memory | None = None) -> None:
     with self._cv:
       if epoch == self._epoch:
         self.remote_step = max(step, self.remote_step or step)
@@ -272,6 +288,7 @@ class Uploader:
         'uploaded',
         step=step,
         bytes=sent,
+        from_memory=sum(m.served for m in (memory or {}).values()),
         seconds=round(seconds, 3),
         url=self.store.join(step_prefix(step).rstrip('/')))
     what = 'its part of step' if self._parts is not None and not self._parts.leader else 'step'
