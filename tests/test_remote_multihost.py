@@ -105,6 +105,21 @@ def test_on_each_host_own_disk_each_uploads_its_part_and_new_hosts_read_theirs(
   assert_same_bytes(read_host_arrays(whole), _arrays(straight, 60))
   assert losses(hosts[0]) == losses(straight)
 
+  # Fresh machines again, and the remote's newest fails its CRC-32 where process 1 reads its
+  # part: every process stops that restore together, then every host takes the newest intact.
+  older = remote_steps(store)[-2]
+  key = objects.object_key(store, 60, 'state/process_1.safetensors')
+  data = bytearray(store.read(key))
+  data[len(data) // 2] ^= 1
+  store.write(key, bytes(data))
+  for host in hosts:
+    shutil.rmtree(host)
+  results = _train(compile_cache, tmp_path / 'host{k}', f'--remote={url}')
+  for _, out in results:
+    assert 'E-CKPT-016' in out and 'passing over remote step 60: E-STORE-012' in out, out[-3000:]
+  assert events_of(hosts[0], 'resumed')[-1]['step'] == older
+  assert losses(hosts[0]) == losses(straight)
+
 
 def test_each_host_own_disk_without_remote_is_refused(tmp_path, compile_cache):
   procs = _launch(compile_cache, tmp_path / 'host{k}')

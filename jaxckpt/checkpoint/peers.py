@@ -8,9 +8,9 @@ still hold the bytes between them:
    process 0 alone reads what they say (`multihost.Group.collect`).
 2. Process 0 takes the newest checkpoint it holds itself (its records go with it) whose every part
    is held by some process, or by the remote (`Remote`) when the remote has that very commit.
-   When it holds no copy of the remote's newest (every disk wiped, or its own), it first
-   commits that checkpoint's own files alone (`Remote.meta`), so that one needs no process to
-   hold a byte of it. Every process then checks the CRC-32 of the parts it holds of it; a
+   When nothing newer is whole between them and it holds no copy of the remote's newest (every
+   disk wiped, or its own), it first commits that checkpoint's own files alone (`Remote.meta`),
+   so that one needs no process to hold a byte of it. Every process then checks the CRC-32 of the parts it holds of it; a
    damaged one is passed over for another holder, or the remote, or the next checkpoint.
 3. Process 0 says who sends what to whom: each process needs the parts that hold the shards its
    devices will hold (whatever mesh it restores to), and lacks some of them (a replacement host's
@@ -71,15 +71,14 @@ class Remote:
   crc32}}) and returns the bytes read.
 
   `meta(step, ckpt_dir)`, when given, commits checkpoint `step` into `ckpt_dir` with its own
-  files alone (manifest, run state, shard table; none of its parts) and returns what came with
-  it ({record name: bytes}, kept in `records`): process 0 calls it when it holds no copy of the
-  remote's newest, which then needs no process to hold a byte of it, each part read from the
-  remote by one process that needs it."""
+  files alone (manifest, run state, shard table; none of its parts): process 0 calls it when
+  nothing newer is whole between the processes and it holds no copy of the remote's newest,
+  which then needs no process to hold a byte of it, each part read from the remote by one
+  process that needs it. The caller's `meta` also takes what comes with it (a run's records)."""
   step: int | None
   seal: str | None
   fetch: Callable[[int, list[str], Path, Mapping[str, Any]], int]
-  meta: Callable[[int, Path], Mapping[str, bytes]] | None = None
-  records: Mapping[str, bytes] | None = None
+  meta: Callable[[int, Path], Any] | None = None
 
 
 @dataclasses.dataclass
@@ -132,17 +131,18 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
   tidy(ckpt_dir)
   posts = group.collect('peers/held', what, json.dumps(held(ckpt_dir)))
   views = [json.loads(p) for p in posts] if group.leader else []
-  if group.leader and remote is not None and remote.meta is not None and remote.step is not None \
-      and str(remote.step) not in views[0]:
-    try:  # its parts then come from the remote below, each read once
-      remote.records = remote.meta(remote.step, ckpt_dir)
-      views[0] = held(ckpt_dir)
-    except CheckpointError as e:  # said; then nothing newer is whole here: None for everyone
-      _log.warning('step %d: its own files from the remote: %s', remote.step, e.what)
   tried: set[tuple[int, str]] = set()
   for round_ in range(8):  # each round passes one checkpoint over, or a damaged part
     if group.leader:
       word = _next(ckpt_dir, views, remote, tried)
+      if word is None and remote is not None and remote.meta is not None and \
+          remote.step is not None and str(remote.step) not in views[0]:
+        try:  # nothing newer is whole here: the remote's newest, its parts read once below
+          remote.meta(remote.step, ckpt_dir)
+          views[0] = held(ckpt_dir)
+          word = _next(ckpt_dir, views, remote, tried)
+        except CheckpointError as e:  # said; None for everyone (the caller's fallback)
+          _log.warning('step %d: its own files from the remote: %s', remote.step, e.what)
       group.announce(f'peers/try/{round_}', json.dumps(word))
     else:
       word = json.loads(group.await_word(f'peers/try/{round_}', what))
@@ -192,12 +192,22 @@ def _next(ckpt_dir: Path, views: list[dict], remote: Remote | None,
       if view.get(key, {}).get('seal') == seal:
         held_by |= set(view[key]['files'])
     if on_remote or set(_parts(m)) <= held_by:
-      # Another commit of this step on some host (another run's workdir): never replaced.
-      other = [[k, v[key]['seal']]
-               for k, v in enumerate(views)
-               if v.get(key, {}).get('seal') not in (None, seal)]
-      return {'step': step, 'seal': seal, **({'conflict': other} if other else {})}
+      return {'step': step, 'seal': seal, **_conflict(views, key, seal, _parts(m))}
   return None
+
+
+def _conflict(views: list[dict], key: str, seal: str, parts: list[str]) -> dict[str, Any]:
+  """{'conflict': [[process, seal], ...]} when other commits of step `key` are whole between
+  the processes too (another run's workdir): which one to take is not for the job to guess.
+  A host's part of another commit that is not whole (a replay cut short) is replaced."""
+  other: dict[str, set[str]] = {}
+  for view in views:
+    if view.get(key, {}).get('seal') not in (None, seal):
+      other.setdefault(view[key]['seal'], set()).update(view[key]['files'])
+  whole = [[k, v[key]['seal']]
+           for k, v in enumerate(views)
+           if v.get(key, {}).get('seal') in other and set(parts) <= other[v[key]['seal']]]
+  return {'conflict': whole} if whole else {}
 
 
 def _intact(ckpt_dir: Path, step: int, seal: str) -> list[str]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from absl import logging
 
-from jaxckpt.checkpoint import multihost, peers
+from jaxckpt.checkpoint import CheckpointError, multihost, peers
 from jaxckpt.checkpoint.remote import objects, partial
 from jaxckpt.errors import UsageError
 from jaxckpt.hosts import remote_start
@@ -63,19 +63,29 @@ def resume_point(run, ckpt_dir: Path, target: Any, timeout_secs: float) -> Path 
   supplied it."""
   t0 = time.monotonic()
   group = multihost.Group(timeout_secs)
+
+  def take(step: int, records: dict[str, bytes]) -> None:  # the remote's newest is the one taken
+    taken, added = remote_start.take_records(run, step, records)
+    run.fetched = {
+        'step': step, 'url': run.store.join(objects.step_prefix(step)), 'bytes': 0, 'seconds': 0.0,
+        'records': taken, 'later_events': added
+    }
+
   # Process 0 decides what the remote holds; any process may be the one to read a part of it.
-  remote = partial.peer_source(run.store, run.start_step, inspect=run.leader)
-  got = peers.restore_dir(ckpt_dir, target, group, remote)
+  remote = partial.peer_source(run.store, run.start_step, inspect=run.leader, on_records=take)
+  try:
+    got = peers.restore_dir(ckpt_dir, target, group, remote)
+  except CheckpointError as e:
+    if e.code != 'E-CKPT-016':
+      raise
+    logging.warning("%s; every host downloads the remote's newest intact checkpoint", e.line())
+    got = None  # every process raised it together: they fall back together
   if got is None:  # nothing whole between the peers and the remote's parts: its newest, whole,
     run.sync_down(ckpt_dir, fetch=True, local_too=False)  # on every host
     return run.resume_point(ckpt_dir)
   seconds = round(time.monotonic() - t0, 3)
-  if remote.records is not None and got.step == remote.step:  # process 0 took the remote's
-    taken, added = remote_start.take_records(run, got.step, remote.records)
-    run.fetched = {
-        'step': got.step, 'url': run.store.join(objects.step_prefix(got.step)),
-        'bytes': got.sources['remote'], 'seconds': seconds, 'records': taken, 'later_events': added
-    }
+  if run.fetched is not None and run.fetched['step'] == got.step:
+    run.fetched.update(bytes=got.sources['remote'], seconds=seconds)
   every = group.collect('peers/sources', 'a restore from the peers', json.dumps(got.sources))
   mb = {k: f'{v / 1e6:.1f}' for k, v in got.sources.items()}
   logging.info(

@@ -274,8 +274,8 @@ def download(store: Store,
   """Downloads remote checkpoint `step` into `ckpt_root/step_<n>` (published with its manifest
   last, like a local commit) and returns (that directory, {record name: bytes}). Every byte is
   checked against the manifest's CRC-32 while it is read: a mismatch raises E-STORE-012 and
-  leaves nothing behind. `only`: the state files to fetch (the others stay absent, as other
-  processes' parts on each host's own disk); its run state and shard table always come."""
+  leaves nothing behind. `only`: the files under `state/` to fetch (the others stay absent, as
+  other processes' parts on each host's own disk); its run state and shard table always come."""
   raw, m, meta, problems = inspect(store, step)
   where = store.join(step_prefix(step).rstrip('/'))
   if problems:
@@ -283,8 +283,11 @@ def download(store: Store,
                           'take an older remote checkpoint')
   prefix, part_bytes = data_prefix(step, meta), meta['part_bytes']
   tmp = layout.temporary_dir(ckpt_root, step)
-  skip = set(m.get('state_files') or ()) - set(m['files'] if only is None else only)
-  files = {rel: want for rel, want in m['files'].items() if rel not in skip}
+  files = {
+      rel: want
+      for rel, want in m['files'].items()
+      if only is None or rel in only or not rel.startswith(f'{layout.STATE_DIR}/')
+  }
   total, done, lock = sum(w['size'] for w in files.values()), [0], threading.Lock()
 
   def progressed(n: int) -> None:

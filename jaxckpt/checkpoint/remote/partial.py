@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .. import layout, manifest
 from ..errors import CheckpointError
@@ -13,10 +13,15 @@ from . import objects
 from .store import Store
 
 
-def peer_source(store: Store, step: int | None, *, inspect: bool = True):
+def peer_source(store: Store,
+                step: int | None,
+                *,
+                inspect: bool = True,
+                on_records: Callable[[int, dict[str, bytes]], Any] = lambda step, records: None):
   """`peers.Remote` for remote checkpoint `step` (its newest intact one; None: none there);
   its seal read from the store when `inspect` (the process that decides). Its `meta` downloads
-  the checkpoint's own files and records (`objects.download` of none of its parts)."""
+  the checkpoint's own files (`objects.download` of none of its parts) and hands the records
+  that came with them to `on_records(step, records)`."""
   from ..peers import Remote  # pylint: disable=import-outside-toplevel
   seal = None
   if step is not None and inspect:
@@ -26,7 +31,8 @@ def peer_source(store: Store, step: int | None, *, inspect: bool = True):
       step if seal or not inspect else None,
       seal,
       lambda at, rels, into, expect: fetch_files(store, at, rels, into, expect),
-      meta=lambda at, ckpt_dir: objects.download(store, at, ckpt_dir, only=())[1])
+      meta=lambda at, ckpt_dir: on_records(at,
+                                           objects.download(store, at, ckpt_dir, only=())[1]))
 
 
 def fetch_files(store: Store,
@@ -41,7 +47,7 @@ def fetch_files(store: Store,
   where = store.join(objects.step_prefix(step).rstrip('/'))
   if problems or m is None or meta is None:
     raise CheckpointError('E-STORE-012', f'{where} is not intact: {(problems or ["?"])[0]}',
-                          'restart the job: an older checkpoint is taken')
+                          "the job falls back to the remote's newest intact checkpoint")
   prefix, total = objects.data_prefix(step, meta), 0
   for rel in rels:
     if rel not in m['files'] or (expect is not None
@@ -49,14 +55,15 @@ def fetch_files(store: Store,
                                  != {k: expect.get(rel, {}).get(k) for k in ('size', 'crc32')}):
       raise CheckpointError(
           'E-STORE-012', f'{where}: {rel} is not in its manifest as the '
-          'checkpoint restored says', 'restart the job: an older checkpoint '
-          'is taken')
+          'checkpoint restored says', "the job falls back to the remote's newest intact "
+          'checkpoint')
     path = layout.safe_member(step_dir, rel)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + layout.FETCH_TMP)
     try:
       objects.fetch_file(store, prefix, rel, m['files'][rel], meta['part_bytes'], tmp,
-                         objects.PARALLEL, lambda n: None, f'{where}/{rel}', 'restart the job')
+                         objects.PARALLEL, lambda n: None, f'{where}/{rel}',
+                         "the job falls back to the remote's newest intact checkpoint")
       os.replace(tmp, path)
     finally:
       tmp.unlink(missing_ok=True)

@@ -222,7 +222,7 @@ class Uploader:
 
   def _upload(self, step: int, step_dir: Path, records: Records, epoch: int,
               memory: Memory) -> None:
-    t0 = time.monotonic()
+    t0, served = time.monotonic(), _served(memory)  # this attempt's reads from memory only
     parts = self._parts
     if holds(self.store, step_dir):  # downloaded from the remote, or uploaded before: durable
       self._uploaded(step, 0, time.monotonic() - t0, epoch)
@@ -244,7 +244,7 @@ class Uploader:
           part_bytes=self._part_bytes,
           memory=memory)
       parts.said(step, OK)
-      self._uploaded(step, sent, time.monotonic() - t0, epoch, memory)
+      self._uploaded(step, sent, time.monotonic() - t0, epoch, _served(memory) - served)
       return
     if self.lease is not None:  # a run that could not renew for a while tries now, once
       self.lease.renewed(f'upload of step {step}')
@@ -272,14 +272,14 @@ class Uploader:
         raise
       except (CheckpointError, OSError) as e:  # the next commit tries again
         self._on_event('mirror_failed', prefix=self._mirror.prefix, error=str(e))
-    self._uploaded(step, sent, seconds, epoch, memory)
+    self._uploaded(step, sent, seconds, epoch, _served(memory) - served)
 
   def _uploaded(self,
                 step: int,
                 sent: int,
                 seconds: float,
                 epoch: int,
-                memory: Memory | None = None) -> None:
+                from_memory: int = 0) -> None:
     with self._cv:
       if epoch == self._epoch:
         self.remote_step = max(step, self.remote_step or step)
@@ -288,7 +288,7 @@ class Uploader:
         'uploaded',
         step=step,
         bytes=sent,
-        from_memory=sum(m.served for m in (memory or {}).values()),
+        from_memory=from_memory,
         seconds=round(seconds, 3),
         url=self.store.join(step_prefix(step).rstrip('/')))
     what = 'its part of step' if self._parts is not None and not self._parts.leader else 'step'
@@ -361,3 +361,7 @@ class Uploader:
 
   def status(self) -> dict[str, Any]:
     return {'remote_step': self.remote_step, 'remote_error': self.error}
+
+
+def _served(memory: Memory) -> int:
+  return sum(held.served for held in memory.values())
