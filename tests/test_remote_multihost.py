@@ -55,7 +55,8 @@ def _kill_when_uploaded(procs, store, at_least: int = 20) -> int:
   return at_kill
 
 
-@pytest.mark.slow  # the same download and resume across processes as on each host's own disk, below
+@pytest.mark.slow  # a fresh machine's download: tests/test_remote_training.py (one process); every
+# host's, then the resume across processes: the own-disk test's fallback, below
 def test_two_processes_resume_from_the_remote_on_a_fresh_workdir(tmp_path, compile_cache, s3_server,
                                                                  straight):
   url = s3_server.bucket()

@@ -42,7 +42,7 @@ from .errors import CheckpointError
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in the global shape
 _READERS = 4
-SHARED_PROBE = '.jaxckpt-shared'  # + '-<k>': process k's token; who sees it shares the directory
+SHARED_PROBE = '.jaxckpt-shared'  # + '-<token>-<k>': process k's; who sees it shares the directory
 
 
 def client():
@@ -87,23 +87,31 @@ class Group:
       self.announce('probe', token)
     else:
       token = self.await_word('probe', what)
-    mine = directory / f'{SHARED_PROBE}-{self.index}'
-    atomic.write_file_durably(mine, token.encode())
+    # This open's token is in each probe's name: one listing tells whose probes a process sees,
+    # with no file read (a shared filesystem would otherwise serve N reads to each process).
+    mine = directory / f'{SHARED_PROBE}-{token}-{self.index}'
+    atomic.write_file_durably(mine, b'')
     self.collect('probed', what, '')
-    names = set(os.listdir(directory))  # listing first: a network filesystem looks again
-    seen = [k for k in range(self.count) if _holds(directory, f'{SHARED_PROBE}-{k}', names, token)]
-    # Process 0 alone reads what each sees and says what it makes of it: one word to the others.
-    views = self.collect('seen', what, json.dumps(seen))
+    names = set(os.listdir(directory))
+    seen = [k for k in range(self.count) if f'{SHARED_PROBE}-{token}-{k}' in names]
+    # Each says it in a word ('all', 'self') or, when neither, the list; process 0 alone reads
+    # them and says what it makes of them: one word to the others.
+    said = 'all' if len(seen) == self.count else 'self' if seen == [self.index
+                                                                   ] else json.dumps(seen)
+    views = self.collect('seen', what, said)
     if self.leader:
-      views = [json.loads(v) for v in views]
-      verdict = 'shared' if all(len(v) == self.count for v in views) else 'own'
-      if verdict == 'own' and any(v != [k] for k, v in enumerate(views)):
+      verdict = 'shared' if all(v == 'all' for v in views) else 'own'
+      if verdict == 'own' and any(v != 'self' for v in views):
+        odd = {k: json.loads(v) for k, v in enumerate(views) if v != 'self'}
         verdict = f'{directory} is shared by some of the {self.count} processes and not by ' \
-            f'others (each sees the files of: {views})'
+            f'others (processes that see more than their own files: {odd})'
       self.announce('seen', verdict)
     else:
       verdict = self.await_word('seen', what)
     mine.unlink(missing_ok=True)
+    for name in names:  # an earlier open's, cut short (everyone has listed by now)
+      if name.startswith(f'{SHARED_PROBE}-') and token not in name:
+        (directory / name).unlink(missing_ok=True)
     self.shared = verdict == 'shared'
     if verdict not in ('shared', 'own'):
       raise CheckpointError(
@@ -189,13 +197,6 @@ def refuse_process_local(leaves: Mapping[str, Any]) -> None:
 
 def _box(index, shape) -> Box:
   return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
-
-
-def _holds(directory: Path, name: str, names: set[str], token: str) -> bool:
-  try:
-    return name in names and (directory / name).read_text() == token
-  except OSError:
-    return False
 
 
 def tensor_name(array: str, box: Box, shape) -> str:
