@@ -96,13 +96,13 @@ class Group:
     seen = [k for k in range(self.count) if f'{SHARED_PROBE}-{token}-{k}' in names]
     # Each says it in a word ('all', 'self') or, when neither, the list; process 0 alone reads
     # them and says what it makes of them: one word to the others.
-    said = 'all' if len(seen) == self.count else 'self' if seen == [self.index
-                                                                   ] else json.dumps(seen)
+    alone = seen == [self.index]
+    said = 'all' if len(seen) == self.count else 'self' if alone else json.dumps(seen)
     views = self.collect('seen', what, said)
     if self.leader:
       verdict = 'shared' if all(v == 'all' for v in views) else 'own'
       if verdict == 'own' and any(v != 'self' for v in views):
-        odd = {k: json.loads(v) for k, v in enumerate(views) if v != 'self'}
+        odd = {k: v if v == 'all' else json.loads(v) for k, v in enumerate(views) if v != 'self'}
         verdict = f'{directory} is shared by some of the {self.count} processes and not by ' \
             f'others (processes that see more than their own files: {odd})'
       self.announce('seen', verdict)
