@@ -10,8 +10,9 @@ still hold the bytes between them:
    is held by some process, or by the remote (`Remote`) when the remote has that very commit.
    When nothing newer is whole between them and it holds no copy of the remote's newest (every
    disk wiped, or its own), it first commits that checkpoint's own files alone (`Remote.meta`),
-   so that one needs no process to hold a byte of it. Every process then checks the CRC-32 of the parts it holds of it; a
-   damaged one is passed over for another holder, or the remote, or the next checkpoint.
+   so that one needs no process to hold a byte of it. Every process then checks the CRC-32 of
+   the parts it holds of it; a damaged one is passed over for another holder, or the remote, or
+   the next checkpoint.
 3. Process 0 says who sends what to whom: each process needs the parts that hold the shards its
    devices will hold (whatever mesh it restores to), and lacks some of them (a replacement host's
    wiped disk: all of them). A part that some process holds is sent from there; one that no
@@ -191,8 +192,9 @@ def _next(ckpt_dir: Path, views: list[dict], remote: Remote | None,
     for view in views:
       if view.get(key, {}).get('seal') == seal:
         held_by |= set(view[key]['files'])
-    if on_remote or set(_parts(m)) <= held_by:
-      return {'step': step, 'seal': seal, **_conflict(views, key, seal, _parts(m))}
+    parts = _parts(m)
+    if on_remote or set(parts) <= held_by:
+      return {'step': step, 'seal': seal, **_conflict(views, key, seal, parts)}
   return None
 
 

@@ -25,7 +25,7 @@ from typing import Any
 from absl import logging
 
 from jaxckpt.checkpoint import CheckpointError, multihost, peers
-from jaxckpt.checkpoint.remote import objects, partial
+from jaxckpt.checkpoint.remote import partial
 from jaxckpt.errors import UsageError
 from jaxckpt.hosts import remote_start
 
@@ -65,11 +65,8 @@ def resume_point(run, ckpt_dir: Path, target: Any, timeout_secs: float) -> Path 
   group = multihost.Group(timeout_secs)
 
   def take(step: int, records: dict[str, bytes]) -> None:  # the remote's newest is the one taken
-    taken, added = remote_start.take_records(run, step, records)
-    run.fetched = {
-        'step': step, 'url': run.store.join(objects.step_prefix(step)), 'bytes': 0, 'seconds': 0.0,
-        'records': taken, 'later_events': added
-    }
+    run.fetched = remote_start.fetched(run, step, 0, 0.0,
+                                       *remote_start.take_records(run, step, records))
 
   # Process 0 decides what the remote holds; any process may be the one to read a part of it.
   remote = partial.peer_source(run.store, run.start_step, inspect=run.leader, on_records=take)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from absl import logging
 
@@ -94,14 +95,21 @@ def fetch_step(run,
                f'; local has {local_step}' if local_step is not None else '')
   path, got = objects.download(run.store, step, ckpt_dir, progress=_Progress(step))
   taken, added = take_records(run, step, got) if records else ([], 0)
-  run.fetched = {
-      'step': step, 'url': run.store.join(objects.step_prefix(step)),
-      'bytes': sum(p.stat().st_size for p in path.rglob('*') if p.is_file()),
-      'seconds': round(time.monotonic() - t0, 3), 'records': taken, 'later_events': added
-  }
+  run.fetched = fetched(run, step, sum(p.stat().st_size for p in path.rglob('*') if p.is_file()),
+                        time.monotonic() - t0, taken, added)
   logging.info('fetched step %d: %.1f MB in %.1f s', step, run.fetched['bytes'] / 1e6,
                run.fetched['seconds'])
   return path
+
+
+def fetched(run, step: int, nbytes: int, seconds: float, records: list[str],
+            later: int) -> dict[str, Any]:
+  """What the `fetched` event says of remote step `step`: the bytes this process read of it,
+  in `seconds`, and the records taken with it (`later`: the events added past the step)."""
+  return {
+      'step': step, 'url': run.store.join(objects.step_prefix(step)), 'bytes': nbytes,
+      'seconds': round(seconds, 3), 'records': records, 'later_events': later
+  }
 
 
 def take_records(run, step: int, got: dict[str, bytes]) -> tuple[list[str], int]:
@@ -201,6 +209,6 @@ class _Progress:
 
 
 __all__ = [
-    'APPEND_ONLY', 'REWRITTEN', 'RUN_EVENTS', 'fetch_step', 'later_events', 'replace_damaged',
-    'send_events', 'sync_down', 'take_records'
+    'APPEND_ONLY', 'REWRITTEN', 'RUN_EVENTS', 'fetch_step', 'fetched', 'later_events',
+    'replace_damaged', 'send_events', 'sync_down', 'take_records'
 ]
