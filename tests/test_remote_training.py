@@ -17,6 +17,7 @@ from conftest import (assert_same_bytes, checkpoint_arrays, committed_steps, eve
 
 from jaxckpt.checkpoint.errors import CheckpointError
 from jaxckpt.checkpoint.remote import Store, StoreError, objects
+from jaxckpt.checkpoint.remote import segments
 from jaxckpt.records.runlog import read_status
 
 STEPS = 160
@@ -78,6 +79,14 @@ def test_a_fresh_machine_continues_from_the_remote_bit_exactly(trainer, straight
   export = f'exports/step_{STEPS:08d}/model.safetensors'  # the exports went up too
   assert store.read(export) == (fresh / export).read_bytes()
   assert {k: store.read(k) for k in earlier} == earlier  # and the lost VM's are still there
+  # The loss history and events went up by segment (records/): the last commit rebuilds them
+  # byte for byte, and only segments the two kept commits name are left.
+  _, records = objects.download(store, STEPS, tmp_path / 'check')
+  for name in ('loss.jsonl', 'events.jsonl'):
+    assert (fresh / name).read_bytes().startswith(records[name]), name
+  assert b'"finished"' in records['events.jsonl']
+  assert set(store.list('records/')) == set().union(
+      *(segments.named(objects.inspect(store, s)[2]['records']) for s in remote_steps(store)))
   status = read_status(fresh)
   assert (status['remote_step'], status['remote_lag_steps'], status['remote_error']) == (STEPS, 0,
                                                                                          None)

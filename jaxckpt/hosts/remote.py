@@ -30,7 +30,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from absl import logging
 
 from jaxckpt.checkpoint import CheckpointOptions, CommitInfo, RetentionPolicy, layout
 from jaxckpt.checkpoint.remote import Lease, LeaseError, Parts, Store, StoreError, Uploader, objects
+from jaxckpt.checkpoint.remote.segments import Appended
 from jaxckpt.errors import UsageError
 from jaxckpt.hosts import distributed, remote_start
 from jaxckpt.hosts.remote_access import check_access, open_store
@@ -207,13 +207,14 @@ class RemoteRun:
     self.cadence.started()
 
   def capture_now(self) -> dict[str, Any]:
-    """The run's records as of now: {name: bytes, or a reader of the prefix written so far}."""
+    """The run's records as of now: {name: bytes, or the prefix written so far of one that only
+    grows, sent by segment}."""
     records: dict[str, Any] = {}
     for name in APPEND_ONLY + REWRITTEN:
       path = self.workdir / name
       try:
         if name in APPEND_ONLY:
-          records[name] = functools.partial(_prefix, path, path.stat().st_size)
+          records[name] = Appended.of(path)
         else:
           records[name] = path.read_bytes()
       except FileNotFoundError:
@@ -358,8 +359,3 @@ class RemoteRun:
       self.uploader.close()
     if self.lease is not None:
       self.lease.release()
-
-
-def _prefix(path: Path, size: int) -> bytes:
-  with open(path, 'rb') as f:
-    return f.read(size)

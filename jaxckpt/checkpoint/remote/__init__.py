@@ -5,6 +5,7 @@
     uploader    the background thread that makes each committed checkpoint durable remotely
     parts       across processes: each uploads its own part, process 0 commits once all are up
     lease       one writer per remote prefix, through conditional writes
+    segments    records that only grow (the loss history), sent by segment: what was appended
 """
 
 from .lease import Lease, LeaseError

@@ -57,12 +57,14 @@ def meta_problems(meta: Mapping[str, Any], m: Mapping[str, Any], listed: int) ->
     elif not isinstance(want, Mapping) or not _size(want.get('size'), MAX_RECORD_BYTES) or \
         not isinstance(want.get('crc32'), str):
       problems.append(f'remote.json: record {name}: a malformed size or CRC-32')
+    elif 'segments' not in want:  # segments are under URL/records/ (`segments.problems`)
+      objects += 1
   said = meta.get('manifest')
   if said is not None and (not isinstance(said, Mapping)
                            or not _size(said.get('size'), MAX_MANIFEST_BYTES)):
     problems.append(f'remote.json: a malformed manifest size {said!r:.60}')
-  if not problems and objects + len(records) > listed:
-    problems.append(f'the commit names {objects + len(records)} objects; {listed} are there')
+  if not problems and objects > listed:
+    problems.append(f'the commit names {objects} objects; {listed} are there')
   return problems
 
 

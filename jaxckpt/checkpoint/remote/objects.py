@@ -3,10 +3,12 @@
     URL/checkpoints/step_<n>/
       a-<attempt>/<file>     each file of the local checkpoint up to `part_bytes` long...
       a-<attempt>/<file>.part-<i>   ...longer ones in parts of `part_bytes` (written in parallel)
-      a-<attempt>/run/<name> the run's records as of this step (loss history, events, ...)
+      a-<attempt>/run/<name> the run's records as of this step (status, samples, ...)
       a-<attempt>/manifest.json     the local manifest, byte for byte
       remote.json            THE COMMIT, written last: which attempt, its part size, the
-                             manifest's and the records' sizes and CRC-32s
+                             manifest's and the records' sizes and CRC-32s, and the
+                             segments that hold the records that only grow:
+    URL/records/<name>/...   the loss history and events, by segment (`segments`)
 
 Every upload writes under its own attempt name (one per writer: a writer that lost the prefix
 writes only where nothing reads). A remote checkpoint is complete exactly when its `remote.json`
@@ -36,6 +38,10 @@ from ..errors import CheckpointError
 from .bounds import meta_problems, read_manifest, read_prefix, start_read
 from .bounds import short as read_was_short
 from .lease import LeaseError
+from .segments import SEGMENTS, Appended, Segments, entry
+from .segments import listed as listed_segments
+from .segments import problems as segment_problems
+from .segments import read as read_segments
 from .store import Store, StoreError, paced
 from .transfer import DamagedLocal, check_crc, part_keys, run_bounded, send_files
 
@@ -98,7 +104,7 @@ def holds(store: Store, step_dir: Path) -> bool:
 
 def upload(store: Store,
            step_dir: Path,
-           records: Mapping[str, bytes],
+           records: Mapping[str, bytes | Appended],
            *,
            attempt: str | None = None,
            files: Callable[[list[str]], Collection[str]] | None = None,
@@ -108,7 +114,8 @@ def upload(store: Store,
            may_delete: Callable[[str], None] = _never,
            part_bytes: int = PART_BYTES,
            parallel: int = PARALLEL,
-           memory: Mapping[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+           memory: Mapping[str, Any] | None = None,
+           segments: Segments | None = None) -> tuple[int, dict[str, Any]]:
   """Copies the committed checkpoint `step_dir` and `records` ({name: bytes}) to `store` under
   `attempt` (a fresh name when None); returns (the bytes sent, its manifest). Every file is
   opened before the first byte is sent, so local retention deleting the checkpoint meanwhile
@@ -120,7 +127,8 @@ def upload(store: Store,
   attempt process 0 names, and only process 0 `commit`s: the records, the manifest and, once
   every other part is there, `remote.json`. A step committed by another writer meanwhile raises
   `Conflict` E-STORE-007. `memory`: {file: its `staging.InMemory`}, read instead of the disk
-  while the save's staging buffer still holds it."""
+  while the save's staging buffer still holds it. A record given as `segments.Appended` is sent
+  by segment: only its bytes that `segments` (this writer's, kept across uploads) has not sent."""
   raw, m = discovery.read_manifest_bytes(step_dir)
   step, attempt = m['step'], attempt or new_attempt()
   prefix, data = step_prefix(step), f'{step_prefix(step)}{attempt}/'
@@ -132,15 +140,24 @@ def upload(store: Store,
   sent = send_files(store, data, step_dir, sending, part_bytes, parallel, may_write, memory)
   if not commit:
     return sent, m
+  segments = Segments() if segments is None else segments
+  tables, planned, writes = {}, {}, {}
+  for n, r in records.items():
+    if isinstance(r, Appended):
+      held, added = segments.plan(n, r)
+      planned[n], tables[n] = (r, held), entry(held, r.size)
+      writes.update(added)
+    else:
+      tables[n] = {'size': len(r), 'crc32': f'{crc32(r):08x}'}
+      writes[f'{data}{RECORDS}/{n}'] = r
   meta = {
-      'format': 'jaxckpt.remote', 'format_version': 2, 'attempt': attempt, 'part_bytes': part_bytes,
-      'manifest': {'size': len(raw), 'crc32': f'{crc32(raw):08x}'},
-      'records': {n: {'size': len(b), 'crc32': f'{crc32(b):08x}'} for n, b in records.items()}
+      'format': 'jaxckpt.remote', 'format_version': 3, 'attempt': attempt, 'part_bytes': part_bytes,
+      'manifest': {'size': len(raw), 'crc32': f'{crc32(raw):08x}'}, 'records': tables
   }
-  for key in [f'{data}{RECORDS}/{n}' for n in records] + [data + layout.MANIFEST]:
+  writes[data + layout.MANIFEST] = raw
+  for key in writes:
     may_write(store.join(key))
-  store.write_many(
-      {**{f'{data}{RECORDS}/{n}': b for n, b in records.items()}, data + layout.MANIFEST: raw})
+  store.write_many(writes)
   may_commit()
   body = json.dumps(meta, indent=1).encode()
   if store.replace(prefix + REMOTE_META, body, generation) is None:
@@ -151,13 +168,14 @@ def upload(store: Store,
           'while this one uploaded the step', 'one trainer per --remote prefix: this run no '
           'longer writes there')
     # else: our own write, whose answer was lost and retried
+  segments.committed(tables, planned)
   old = (before or {}).get('attempt')
   if before is not None and old != attempt:
     may_delete(store.join(prefix))
     now, _ = _read_meta(store, step)  # after the lease check: another holder may have committed
     if (now or {}).get('attempt') == attempt:
       store.delete_many(stale(store, step, [k[len(prefix):] for k in store.list(prefix)], now))
-  return sent + sum(len(b) for b in records.values()) + len(raw), m
+  return sent + sum(len(b) for b in writes.values()), m
 
 
 def stale(store: Store, step: int, keys: list[str], meta: Mapping[str, Any] | None) -> list[str]:
@@ -234,8 +252,10 @@ def inspect(
     for key, _, _ in part_keys(rel, want['size'], meta['part_bytes']):
       if key not in present:
         problems.append(f'{inner}{key}: missing')
-  for name in meta.get('records', {}):
-    if f'{RECORDS}/{name}' not in present:
+  for name, want in meta.get('records', {}).items():
+    if 'segments' in want:
+      problems += segment_problems(name, want, listed_segments(store, name))
+    elif f'{RECORDS}/{name}' not in present:
       problems.append(f'{inner}{RECORDS}/{name}: missing')
   return raw, m, meta, problems
 
@@ -304,11 +324,14 @@ def download(store: Store,
                  'take an older remote checkpoint')
     records = {}
     for name, want in meta.get('records', {}).items():
-      data = read_prefix(store, f'{prefix}{RECORDS}/{name}', want['size']) or b''
+      if 'segments' in want:
+        data = read_segments(store, name, want) or b''
+      else:
+        data = read_prefix(store, f'{prefix}{RECORDS}/{name}', want['size']) or b''
       if len(data) != want['size'] or f'{crc32(data):08x}' != want['crc32']:
-        raise CheckpointError(
-            'E-STORE-012', f'{store.join(prefix + RECORDS, name)}: does not '
-            f'match {REMOTE_META}', 'take an older remote checkpoint')
+        where = store.join(SEGMENTS if 'segments' in want else prefix + RECORDS, name)
+        raise CheckpointError('E-STORE-012', f'{where}: does not match {REMOTE_META}',
+                              'take an older remote checkpoint')
       records[name] = data
     for dirpath, _, _ in os.walk(tmp):
       atomic.fsync_dir(Path(dirpath))

@@ -30,9 +30,10 @@ from .mirror import Mirror
 from .objects import (PART_BYTES, DamagedLocal, delete, holds, inspect, new_attempt, stale,
                       step_prefix, steps, upload)
 from .parts import OK, Parts, Superseded
+from .segments import SEGMENTS, Appended, Segments, unnamed
 from .store import Store
 
-Records = Mapping[str, 'bytes | Callable[[], bytes]']
+Records = Mapping[str, 'bytes | Appended | Callable[[], bytes]']
 Memory = Mapping[str, Any]  # {state file: `staging.InMemory`}: read instead of the disk
 _BACKOFF = (1.0, 30.0)
 
@@ -81,7 +82,9 @@ class Uploader:
     self._busy_step: int | None = None
     self._epoch = 0  # one more at each replay: an upload of an earlier one is not durable now
     self._fields: dict[int, dict[str, Any] | None] = {}  # `manifest_fields` of remote steps
-    self._metas: dict[int, dict[str, Any] | None] = {}  # their remote.json: which attempt
+    self._metas: dict[int, dict[str, Any] | None] = {}  # their remote.json: attempt, records
+    self._segments = Segments()  # the records sent by segment (process 0's)
+    self._seeded = self._swept = False  # once per uploader: segments taken, unnamed removed
     self._closed = False
     self._dead = False  # the lease was lost: nothing is written any more
     self._last_warning = -float('inf')
@@ -95,7 +98,8 @@ class Uploader:
              records: Records | None = None,
              memory: Memory | None = None) -> None:
     """Queues the committed checkpoint `step_dir` (it replaces one still waiting). `records` are
-    {name: bytes, or a function returning them when the upload runs} uploaded beside it;
+    {name: bytes, a function returning them when the upload runs, or `segments.Appended`: a
+    record that only grows, sent by segment} uploaded beside it;
     `memory` ({state file: `InMemory`}, `CommitInfo.in_memory`) is read instead of the disk
     while the save's buffer holds it. A step older than one made durable or queued before (a
     replay) starts `remote_step` over."""
@@ -249,6 +253,8 @@ class Uploader:
     if self.lease is not None:  # a run that could not renew for a while tries now, once
       self.lease.renewed(f'upload of step {step}')
     data = {n: (r() if callable(r) else r) for n, r in records.items()}
+    if not self._seeded and any(isinstance(r, Appended) for r in data.values()):
+      self._seed(data)
     sent, m = upload(
         self.store,
         step_dir,
@@ -259,11 +265,13 @@ class Uploader:
         may_commit=lambda: self._may_commit(step),
         may_delete=self._may_delete,
         part_bytes=self._part_bytes,
-        memory=memory)
+        memory=memory,
+        segments=self._segments)
     if parts is not None:
       parts.forget(step)  # committed: the words are not needed again (a retry needs them)
     seconds = time.monotonic() - t0
-    self._fields[step], self._metas[step] = manifest_fields(m), {'attempt': self.attempt}
+    self._fields[step] = manifest_fields(m)
+    self._metas[step] = {'attempt': self.attempt, 'records': self._segments.last}
     self._apply_retention(step)
     if self._mirror is not None:  # before `remote_step` moves: a waiter sees the exports too
       try:
@@ -273,6 +281,21 @@ class Uploader:
       except (CheckpointError, OSError) as e:  # the next commit tries again
         self._on_event('mirror_failed', prefix=self._mirror.prefix, error=str(e))
     self._uploaded(step, sent, seconds, epoch, _served(memory) - served)
+
+  def _seed(self, records: Mapping[str, Any]) -> None:
+    """The first upload of this writer sends by segment only what the remote's newest intact
+    commit does not hold of its records already (a restart: what was appended since)."""
+    self._seeded = True
+    remote, _ = steps(self.store)
+    for s in sorted(remote, reverse=True):
+      _, m, meta, problems = inspect(self.store, s, remote[s])
+      if not problems:
+        self._fields[s], self._metas[s] = manifest_fields(m), meta
+        for name, record in records.items():
+          want = (meta.get('records') or {}).get(name)
+          if isinstance(record, Appended) and isinstance(want, Mapping) and 'segments' in want:
+            self._segments.seed(name, record, want)
+        return
 
   def _uploaded(self,
                 step: int,
@@ -329,12 +352,23 @@ class Uploader:
       if debris:
         self._may_delete(self.store.join('checkpoints'))
         self.store.delete_many(debris)
-      if doomed or debris:
-        self._on_event('remote_retention', deleted=doomed, debris=len(debris))
+      unused = self._unused_segments(remote, doomed) if doomed or not self._swept else []
+      if unused:
+        self._may_delete(self.store.join(SEGMENTS))
+        self.store.delete_many(unused)
+      if doomed or debris or unused:
+        self._on_event('remote_retention', deleted=doomed, debris=len(debris), segments=len(unused))
     except LeaseError:
       raise
     except (CheckpointError, OSError) as e:
       self._on_event('remote_retention_failed', error=str(e))
+
+  def _unused_segments(self, remote: Mapping[int, Any], doomed: list[int]) -> list[str]:
+    """The record segments no remaining commit names (merged into longer ones since, or a
+    replay's): none while a remaining commit could not be read."""
+    self._swept = True
+    metas = [self._metas.get(s) for s in remote if s not in doomed]
+    return unnamed(self.store, [None if m is None else m.get('records', {}) for m in metas])
 
   def _fail(self, step: int, e: Exception, *, fatal: bool = False) -> None:
     message = e.line() if isinstance(e, CheckpointError) else f'{type(e).__name__}: {e}'
