@@ -154,6 +154,17 @@ def test_a_replay_writes_other_keys_and_a_damaged_segment_is_never_taken(
   # A missing one: the commit is not intact, and the older step is taken.
   store.delete(key)
   assert objects.latest_intact(store) == (3, [(4, f'{key}: missing')])
+  # The same file cut short and rewritten in place (its inode unchanged): checked whole again,
+  # never spliced onto what was sent of it before.
+  with open(b, 'r+b') as f:
+    f.truncate(LINE)
+    f.seek(LINE)
+    f.write(b''.join(_line(s, 'c') for s in (2, 3, 4, 5)))
+  objects.upload(
+      store,
+      checkpoints / layout.step_dirname(5), {'loss.jsonl': Appended.of(b)},
+      segments=segments)
+  assert objects.download(store, 5, tmp_path / 'w')[1]['loss.jsonl'] == b.read_bytes()
 
 
 def test_a_commit_whose_segments_do_not_add_up_is_not_intact(store, checkpoints, tmp_path):

@@ -10,24 +10,30 @@ entry in the commit (`remote.json`) lists the segments that hold those bytes bac
 own size and CRC-32 are the last segment's.
 
 - A writer keeps the segments of its last commit (`Segments`). The next upload of the record adds
-  one segment, of the bytes after them.
+  a segment of the bytes after them (several of at most `SEGMENT_BYTES` when more came).
 - Segments merge as a binary counter's digits do: while a segment is less than twice as long as
   the one after it, the two become one, written anew from the local file, unless that one would
   be longer than `SEGMENT_BYTES` (8 MiB): a segment that long is never written again. So an
-  upload sends at most 8 MiB of a record however long the run, each byte is sent about
-  log2(8 MiB / appended per upload) times over the run, and a record of S bytes is held by
-  about 2 S / 8 MiB + log2(8 MiB / appended) segments: a million-step run (100 MB of loss
-  history) sends a few times what it appended since the last upload, not 100 MB.
+  upload sends what was appended since the last one plus at most 8 MiB that merges rewrite,
+  however long the run; each byte is sent about log2(8 MiB / appended per upload) times over
+  the run; a record is held by one segment per 4 to 8 MiB of it plus about log2(8 MiB /
+  appended per upload) shorter ones. A million-step run (100 MB of loss history) sends a few
+  times what it appended since the last upload, not 100 MB.
 - A key names its bytes' hash: a replay that wrote other bytes at the same offsets writes other
   keys, never over a segment that an older commit names.
 - The first upload of a writer (a restart) takes the segments of the remote's newest commit that
   its own file still holds, each hash computed from the local bytes (`Segments.seed`): only what
-  was appended since is sent, however long the run.
+  was appended since is sent, however long the run. (A remote whose commits hold the records
+  whole, from before segments, has none to take: that first upload sends the record once.)
+- The last segment a writer sent is hashed again from the file before it builds on it: a record
+  cut short or rewritten in place (the same inode) is checked whole again, never spliced.
 - Nothing in the bucket is trusted (`problems`): a segment list must start at 0, run back to back
   to the record's size, and name at most MAX_SEGMENTS keys. `read` takes each segment by a ranged
   read of its size, checks its hash, then the whole record's CRC-32.
 - A segment that no remaining commit names is removed by the writer after its retention
-  (`unnamed`), never one a commit it could not read might name.
+  (`unnamed`), never while a commit it could not read might name it, and only once two sweeps at
+  least a lease's time apart found it unnamed (a writer that lost the lease and still commits
+  is not left naming segments already gone).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from .transfer import run_bounded
 SEGMENTS = 'records'
 SEGMENT_BYTES = 8 << 20  # the longest segment a merge writes
 PARALLEL = 8  # segments read at once
-MAX_SEGMENTS = 8192  # what a commit may name for one record: 32 GiB in segments of 8 MiB
+MAX_SEGMENTS = 8192  # what a commit may name for one record: 32 GiB in segments of 4 MiB
 _HASH = re.compile(r'^[0-9a-f]{32}$')
 _CRC = re.compile(r'^[0-9a-f]{8}$')
 
@@ -111,7 +117,7 @@ def parse(want: Mapping[str, Any]) -> list[Segment] | str:
   for row in rows:
     ok = isinstance(row, list) and len(row) == 4 and all(type(v) is int for v in row[:2])  # pylint: disable=unidiomatic-typecheck
     if not ok or row[0] != at or row[1] <= at or not isinstance(row[2], str) or \
-        not _HASH.match(row[2]) or not isinstance(row[3], str) or not _CRC.match(row[3]):
+        not _HASH.fullmatch(row[2]) or not isinstance(row[3], str) or not _CRC.fullmatch(row[3]):
       return f'segment {len(out)} is malformed or not right after byte {at}'
     out.append(Segment(row[0], row[1], row[2], int(row[3], 16)))
     at = row[1]
@@ -189,9 +195,13 @@ class Segments:
     inode, base = self.known.get(name, (None, []))
     if inode != record.inode or record.inode is None:  # another file: check what it holds
       base = _held(record, base)
+    elif base and (base[-1].end > record.size or not _same(record, base[-1])):
+      base = _held(record, base)  # cut short or rewritten in place: checked whole again
     spans = [(s.start, s.end) for s in base]
-    if record.size > (spans[-1][1] if spans else 0):
-      spans.append((spans[-1][1] if spans else 0, record.size))
+    at = spans[-1][1] if spans else 0
+    while record.size > at:  # what was appended, in segments of at most segment_bytes
+      spans.append((at, min(record.size, at + self.segment_bytes)))
+      at = spans[-1][1]
     while len(spans) >= 2 and spans[-2][1] - spans[-2][0] < 2 * (spans[-1][1] - spans[-1][0]) \
         and spans[-1][1] - spans[-2][0] <= self.segment_bytes:
       (a, _), (_, b) = spans[-2], spans.pop()
@@ -211,6 +221,10 @@ class Segments:
                 planned: Mapping[str, tuple[Appended, list[Segment]]]) -> None:
     self.known.update({n: (r.inode, segments) for n, (r, segments) in planned.items()})
     self.last = dict(records)
+
+
+def _same(record: Appended, s: Segment) -> bool:
+  return digest(record.read(s.start, s.end)) == s.hash
 
 
 def _held(record: Appended, segments: list[Segment]) -> list[Segment]:
@@ -243,7 +257,8 @@ def named(records: Mapping[str, Any] | None) -> set[str] | None:
 
 def unnamed(store: Store, tables: Iterable[Mapping[str, Any] | None]) -> list[str]:
   """The segments under the store's records folder that none of the commits' records `tables`
-  names: [] when one of them cannot be read (it might name any)."""
+  names ({} for a commit from before segments): [] when one of them is None (a commit that
+  cannot be read might name any)."""
   keep: set[str] = set()
   for table in tables:
     keys = named(table)

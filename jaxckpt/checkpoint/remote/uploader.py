@@ -27,8 +27,8 @@ from ..errors import CheckpointError
 from ..policy import RetentionPolicy, manifest_fields, pins
 from .lease import Lease, LeaseError
 from .mirror import Mirror
-from .objects import (PART_BYTES, DamagedLocal, delete, holds, inspect, new_attempt, stale,
-                      step_prefix, steps, upload)
+from .objects import (PART_BYTES, REMOTE_META, DamagedLocal, delete, holds, inspect, new_attempt,
+                      stale, step_prefix, steps, upload)
 from .parts import OK, Parts, Superseded
 from .segments import SEGMENTS, Appended, Segments, unnamed
 from .store import Store
@@ -85,6 +85,7 @@ class Uploader:
     self._metas: dict[int, dict[str, Any] | None] = {}  # their remote.json: attempt, records
     self._segments = Segments()  # the records sent by segment (process 0's)
     self._seeded = self._swept = False  # once per uploader: segments taken, unnamed removed
+    self._unnamed: dict[str, float] = {}  # segment key: when a sweep first found it unnamed
     self._closed = False
     self._dead = False  # the lease was lost: nothing is written any more
     self._last_warning = -float('inf')
@@ -252,6 +253,11 @@ class Uploader:
       return
     if self.lease is not None:  # a run that could not renew for a while tries now, once
       self.lease.renewed(f'upload of step {step}')
+    # What the step's commit was (a replay replaces it) is known again only once this upload
+    # committed, or from the store: an upload that fails after its commit landed names other
+    # segments than the commit it replaced.
+    self._fields.pop(step, None)
+    self._metas.pop(step, None)
     data = {n: (r() if callable(r) else r) for n, r in records.items()}
     if not self._seeded and any(isinstance(r, Appended) for r in data.values()):
       self._seed(data)
@@ -285,17 +291,17 @@ class Uploader:
   def _seed(self, records: Mapping[str, Any]) -> None:
     """The first upload of this writer sends by segment only what the remote's newest intact
     commit does not hold of its records already (a restart: what was appended since)."""
-    self._seeded = True
     remote, _ = steps(self.store)
     for s in sorted(remote, reverse=True):
       _, m, meta, problems = inspect(self.store, s, remote[s])
       if not problems:
         self._fields[s], self._metas[s] = manifest_fields(m), meta
         for name, record in records.items():
-          want = (meta.get('records') or {}).get(name)
+          want = ((meta or {}).get('records') or {}).get(name)
           if isinstance(record, Appended) and isinstance(want, Mapping) and 'segments' in want:
             self._segments.seed(name, record, want)
-        return
+        break
+    self._seeded = True  # not before: a seed cut short by the store is tried again
 
   def _uploaded(self,
                 step: int,
@@ -352,10 +358,13 @@ class Uploader:
       if debris:
         self._may_delete(self.store.join('checkpoints'))
         self.store.delete_many(debris)
-      unused = self._unused_segments(remote, doomed) if doomed or not self._swept else []
+      unused = self._unused_segments(remote, doomed) if doomed or self._unnamed or \
+          not self._swept else []
       if unused:
         self._may_delete(self.store.join(SEGMENTS))
         self.store.delete_many(unused)
+        for k in unused:
+          del self._unnamed[k]
       if doomed or debris or unused:
         self._on_event('remote_retention', deleted=doomed, debris=len(debris), segments=len(unused))
     except LeaseError:
@@ -367,8 +376,16 @@ class Uploader:
     """The record segments no remaining commit names (merged into longer ones since, or a
     replay's): none while a remaining commit could not be read."""
     self._swept = True
-    metas = [self._metas.get(s) for s in remote if s not in doomed]
-    return unnamed(self.store, [None if m is None else m.get('records', {}) for m in metas])
+    tables = []
+    for s in remote:
+      if s not in doomed:
+        meta = self._metas.get(s)
+        before_attempts = meta is None and REMOTE_META not in remote[s]  # names no segments
+        tables.append({} if before_attempts else None if meta is None else meta.get('records', {}))
+    now, grace = time.monotonic(), self.lease.ttl if self.lease is not None else 0.0
+    found = unnamed(self.store, tables)
+    self._unnamed = {k: self._unnamed.get(k, now) for k in found}
+    return [k for k, first in self._unnamed.items() if now - first >= grace]
 
   def _fail(self, step: int, e: Exception, *, fatal: bool = False) -> None:
     message = e.line() if isinstance(e, CheckpointError) else f'{type(e).__name__}: {e}'
