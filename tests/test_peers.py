@@ -2,7 +2,8 @@
 from them, across 3 real jax.distributed processes (one CPU device each, gloo), each with its
 own directory (`host{k}`).
 
-Each test starts the processes of this file (`python tests/test_peers.py CMD ...`, see `worker`).
+Each test starts the processes of this file (`python tests/test_peers.py CMD ...`, see `worker`);
+those that start from one `save 10` share a single run of it (`saved_10`), each on its own copy.
 The state's values are a pure function of nothing, so a restore checks what it got, byte for
 byte; a replica is checked against its owner's file, byte for byte.
 """
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import finish_processes, start_processes
 
 COUNT = 3
@@ -101,8 +103,17 @@ def _state(tmp_path, k: int, step: int) -> Path:
   return tmp_path / f'host{k}' / f'step_{step:08d}' / 'state'
 
 
-def test_each_process_keeps_a_byte_identical_replica_of_the_one_before_it(tmp_path, compile_cache):
-  _run(tmp_path, compile_cache, 'save', '10')
+@pytest.fixture(scope='module')
+def saved_10(tmp_path_factory, compile_cache) -> Path:
+  """The 3 processes' `save 10` (host{k} each), run once for the tests that start from it: what
+  it saves is a pure function of the step, and each test changes only a copy of it."""
+  root = tmp_path_factory.mktemp('saved_10')
+  _run(root, compile_cache, 'save', '10')
+  return root
+
+
+def test_each_process_keeps_a_byte_identical_replica_of_the_one_before_it(tmp_path, saved_10):
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   for k in range(COUNT):
     mine = sorted(p.name for p in _state(tmp_path, k, 10).iterdir())
     before = (k - 1) % COUNT
@@ -138,17 +149,18 @@ def test_a_wiped_host_is_restored_from_its_peers_and_a_damaged_replica_is_passed
       (tmp_path / 'host0' / 'step_00000010' / 'manifest.json').read_bytes()
 
 
-def test_without_a_remote_two_wiped_neighbours_leave_nothing_whole(tmp_path, compile_cache):
-  _run(tmp_path, compile_cache, 'save', '10')
+def test_without_a_remote_two_wiped_neighbours_leave_nothing_whole(tmp_path, compile_cache,
+                                                                   saved_10):
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   shutil.rmtree(tmp_path / 'host1')
   shutil.rmtree(tmp_path / 'host2')  # process 1's part was on 1 and 2: no one holds it
   assert _results(_run(tmp_path, compile_cache, 'restore')) == [None] * COUNT
 
 
 def test_the_remote_fills_in_the_part_no_peer_holds_each_byte_read_once(
-    tmp_path, compile_cache, s3_server):
+    tmp_path, compile_cache, s3_server, saved_10):
   from jaxckpt.checkpoint.remote import Store, objects
-  _run(tmp_path, compile_cache, 'save', '10')
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   whole = tmp_path / 'whole' / 'step_00000010'  # what the uploaders of the 3 hosts put there
   shutil.copytree(tmp_path / 'host0' / 'step_00000010', whole)
   shutil.copy(_state(tmp_path, 1, 10) / 'process_1.safetensors', whole / 'state')
@@ -167,12 +179,12 @@ def test_the_remote_fills_in_the_part_no_peer_holds_each_byte_read_once(
 
 
 def test_with_every_disk_wiped_each_process_reads_its_own_part_from_the_remote(
-    tmp_path, compile_cache, s3_server):
+    tmp_path, compile_cache, s3_server, saved_10):
   """A job of fresh machines: process 0 commits the remote checkpoint's own files alone, then
   each part is read from the remote once in the job, by its own process (a third of the state
   each), and the replicated arrays' bytes reach the others over the collectives."""
   from jaxckpt.checkpoint.remote import Store, objects
-  _run(tmp_path, compile_cache, 'save', '10')
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   whole = tmp_path / 'whole' / 'step_00000010'
   shutil.copytree(tmp_path / 'host0' / 'step_00000010', whole)
   for k in (1, 2):
@@ -194,14 +206,12 @@ def test_with_every_disk_wiped_each_process_reads_its_own_part_from_the_remote(
 
 
 def test_a_host_that_cannot_write_what_it_is_sent_stops_every_process_together(
-    tmp_path, compile_cache):
+    tmp_path, compile_cache, saved_10):
   import os
   import subprocess
-
-  import pytest
   if os.geteuid() != 0:
     pytest.skip('mounting a tmpfs needs root')
-  _run(tmp_path, compile_cache, 'save', '10')
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   shutil.rmtree(tmp_path / 'host1')
   (tmp_path / 'host1').mkdir()
   # A replacement host whose disk is full after the first part: it fails mid-transfer, yet takes

@@ -25,8 +25,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (REPO, committed_steps, events_of, flip_a_data_byte, jaxckpt_cli, read_events,
-                      wait_for)
+from conftest import (REPO, call_cli, committed_steps, events_of, flip_a_data_byte, jaxckpt_cli,
+                      read_events, wait_for)
 
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, layout
 from jaxckpt.checkpoint.errors import CheckpointError
@@ -110,8 +110,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize('case, said, listed', [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_a_tampered_commit_is_refused_in_one_line(uploaded, tmp_path, case, said, listed):
+def _cli(in_process: bool, capsys, *args: str) -> tuple[int, str, str]:
+  """(exit code, stdout, stderr) of `jaxckpt ARGS...`: in this process (`call_cli`), or as the
+  real command in a subprocess of its own."""
+  if in_process:
+    return call_cli(list(args), capsys)
+  r = jaxckpt_cli(*args)
+  return r.returncode, r.stdout, r.stderr
+
+
+# The first case runs `verify` and `inspect` as real commands; the others in this process: the
+# same code and exit paths, without two interpreter start-ups each.
+@pytest.mark.parametrize('name, case, said, listed', CASES, ids=[c[0] for c in CASES])
+def test_a_tampered_commit_is_refused_in_one_line(uploaded, tmp_path, capsys, name, case, said,
+                                                  listed):
   out = _outside(tmp_path)
   out.parent.mkdir()
   target = tmp_path / 'deep' / 'er' / 'fresh'
@@ -125,15 +137,19 @@ def test_a_tampered_commit_is_refused_in_one_line(uploaded, tmp_path, case, said
   assert not target.exists() or list(target.iterdir()) == []  # nor a half-written step there
   assert objects.latest_intact(uploaded)[0] == (1 if listed else 2)  # readers pass over it
   # The command line: one FAIL line, exit 1, no traceback.
-  r = jaxckpt_cli('verify', f'{uploaded.url}/checkpoints/step_00000002')
-  assert r.returncode == 1, r.stdout + r.stderr
-  assert 'Traceback' not in r.stderr, r.stderr
-  assert r.stdout.splitlines() == [r.stdout.splitlines()[0]]
-  assert r.stdout.startswith(f'FAIL {uploaded.url}/checkpoints/step_00000002: '), r.stdout
+  in_process = name != CASES[0][0]
+  capsys.readouterr()  # what the download logged is not the command's
+  code, stdout, stderr = _cli(in_process, capsys, 'verify',
+                              f'{uploaded.url}/checkpoints/step_00000002')
+  assert code == 1, stdout + stderr
+  assert 'Traceback' not in stderr, stderr
+  assert stdout.splitlines() == [stdout.splitlines()[0]]
+  assert stdout.startswith(f'FAIL {uploaded.url}/checkpoints/step_00000002: '), stdout
   # `inspect` reads no data: it shows the checkpoint with what is wrong with its commit.
-  r = jaxckpt_cli('inspect', f'{uploaded.url}/checkpoints/step_00000002')
-  assert r.returncode == 0 and 'Traceback' not in r.stderr, r.stderr
-  assert not listed or said in r.stdout, r.stdout
+  code, stdout, stderr = _cli(in_process, capsys, 'inspect',
+                              f'{uploaded.url}/checkpoints/step_00000002')
+  assert code == 0 and 'Traceback' not in stderr, stderr
+  assert not listed or said in stdout, stdout
   assert list(out.parent.iterdir()) == []
 
 

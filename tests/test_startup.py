@@ -4,9 +4,10 @@ hang; a stop signal while waiting ends the process at once; a failure on one pro
 stops every process at once."""
 
 import signal
+import socket
 import subprocess
 import sys
-import threading
+import time
 
 import pytest
 from conftest import REPO, TINY, finish_processes, start_processes, subprocess_env
@@ -25,46 +26,49 @@ def argv(workdir, count: int, *flags: str, ids=None):
   ]
 
 
-def read_until(proc: subprocess.Popen, text: str, timeout: float = 120) -> str:
-  """The process's output up to the first line holding `text`; past `timeout` it is killed and
-  the test fails (a hang is a failure, never a wait)."""
-  guard = threading.Timer(timeout, proc.kill)
-  guard.start()
-  seen = []
-  try:
-    for line in proc.stdout:
-      seen.append(line)
-      if text in line:
-        return ''.join(seen)
-  finally:
-    guard.cancel()
-  raise AssertionError(f'no line with {text!r}; exit {proc.wait()}:\n{"".join(seen)[-3000:]}')
+def start_waiting_process_0(workdir, compile_cache):
+  """Process 0 of 2 alone, once it waits for process 1 inside `jax.distributed.initialize`
+  (its coordinator service accepts connections at its port): (the process, its command line).
+  If nothing listens within 120 s, or the process exits first, it is killed and the test fails
+  (a hang is a failure, never a wait)."""
+  command, address = [], []
+
+  def argv_of(k, coordinator):
+    command[:], address[:] = argv(workdir, 2)(k, coordinator), [coordinator]
+    return command
+
+  [proc] = start_processes(argv_of, 1, cache=compile_cache)
+  host, _, port = address[0].rpartition(':')
+  deadline = time.monotonic() + 120
+  while proc.poll() is None and time.monotonic() < deadline:
+    try:
+      with socket.create_connection((host, int(port)), timeout=1.0):
+        return proc, command
+    except OSError:
+      time.sleep(0.05)
+  proc.kill()
+  raise AssertionError(f'nothing listens at {address[0]}; exit {proc.wait()}:\n'
+                       f'{proc.stdout.read()[-3000:]}')
 
 
 def test_a_process_that_never_starts_is_named_after_the_init_timeout(tmp_path, compile_cache):
   """Only process 0 of 2: lines while it waits, then E-DIST-005 naming process 1, exit 1."""
-  procs = start_processes(argv(tmp_path, 2, '--init_timeout_secs=15'), 1, cache=compile_cache)
+  # 12 s: the first waiting line comes at 10 s (`joining.REPORT_SECS`), before the timeout.
+  procs = start_processes(argv(tmp_path, 2, '--init_timeout_secs=12'), 1, cache=compile_cache)
   [(code, out)] = finish_processes(procs, timeout=120)
   lines = out.strip().splitlines()
   assert code == 1, out[-3000:]
   assert lines[-1].startswith('jaxckpt: E-DIST-005: process(es) [1] of 2 did not join 127.0.0.1:')
-  assert 'within 15 s' in lines[-1] and 'Traceback' not in out
-  assert any('waiting for 1 of 2 processes to join 127.0.0.1:' in l and 'of 15)' in l
+  assert 'within 12 s' in lines[-1] and 'Traceback' not in out
+  assert any('waiting for 1 of 2 processes to join 127.0.0.1:' in l and 'of 12)' in l
              for l in lines), out[-3000:]
 
 
 def test_two_processes_with_the_same_id_are_named_not_a_hang(tmp_path, compile_cache):
   """A second --process_id=0 while the first waits for process 1: one line, exit 2 (JAX's
   service would share the port with it and leave both waiting, or abort one)."""
-  command = []  # the first one's: the second is started with the same
-
-  def argv_of(k, coordinator):
-    command[:] = argv(tmp_path, 2)(k, coordinator)
-    return command
-
-  [first] = start_processes(argv_of, 1, cache=compile_cache)
+  first, command = start_waiting_process_0(tmp_path, compile_cache)  # the second: the same
   try:
-    read_until(first, 'waiting for 1 of 2 processes to join')  # it listens, and waits
     second = subprocess.Popen(
         command,
         cwd=REPO,
@@ -84,15 +88,14 @@ def test_two_processes_with_the_same_id_are_named_not_a_hang(tmp_path, compile_c
 @pytest.mark.parametrize(
     'signum', [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_a_stop_signal_while_waiting_to_join_exits_at_once(tmp_path, compile_cache, signum):
-  [proc] = start_processes(argv(tmp_path, 2), 1, cache=compile_cache)
+  proc, _ = start_waiting_process_0(tmp_path, compile_cache)  # it waits, in C++
   try:
-    seen = read_until(proc, 'waiting for 1 of 2 processes to join')  # it waits, in C++
     proc.send_signal(signum)
     out, _ = proc.communicate(timeout=20)  # the init timeout is 300 s
   finally:
     proc.kill()
   name, lines = signal.Signals(signum).name, out.strip().splitlines()
-  assert proc.returncode == 128 + signum, seen + out
+  assert proc.returncode == 128 + signum, out
   assert lines[-1].startswith(f'jaxckpt: {name} while waiting to join'), out
   assert [l for l in lines if l.startswith('jaxckpt:')] == lines[-1:], out
 

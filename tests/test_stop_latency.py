@@ -14,7 +14,7 @@ from conftest import committed_steps, events_of, wait_for
 
 from jaxckpt.records.runlog import read_status
 
-LOG_EVERY = 12  # a loop free to run ahead would be up to 12 steps ahead; the bound allows 4
+LOG_EVERY = 8  # a loop free to run ahead would be up to 8 steps ahead; the bound allows 4
 SLOW = ('--config.train.steps=3000', '--config.train.batch_size=512',
         f'--config.train.log_every={LOG_EVERY}', '--checkpoint_every=0', '--keep=0')
 
