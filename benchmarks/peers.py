@@ -22,12 +22,17 @@ replacement VM):
    directory is brought back from the peers (`sends`: rounds of `jax.lax.ppermute` in a
    shard_map, 32 MiB windows, disk reads and writes overlapped with the collective), then
    `CheckpointManager.restore` and `jax.block_until_ready`.
-3. remote, every host downloads: what a job without replicas did before it read parts (see
-   `benchmarks.restore_bytes` for what it does now: each part once in the job). A host then
-   holds only its own part and a data-parallel restore needs every part, so every process
+3. remote, the lost host's part (`--replicas=0`, what a job without replicas does now): the
+   replicas are moved aside on every host, so each holds only its own part, and every process
+   runs `peers.restore_dir` with the remote (`partial.peer_source`): the part no living process
+   holds (the lost host's) is read from the remote once, by a process that needs it, and sent to
+   the others that need it; the parts the living hosts hold come from them, as in phase 2. The
+   headline.
+4. remote, every host downloads: what a job without replicas did before it read parts. A host
+   then holds only its own part and a data-parallel restore needs every part, so every process
    downloads the whole checkpoint (`objects.download`, all of them at once from the one server)
-   into ROOT/host{k}/remote, which holds nothing of it, and restores from there. The headline.
-4. remote, the lost host alone: process 1 alone downloads the checkpoint whole and restores from
+   into ROOT/host{k}/remote, which holds nothing of it, and restores from there.
+5. remote, the lost host alone: process 1 alone downloads the checkpoint whole and restores from
    it; the others restore from the step directories on their own disks, which hold every part
    (with 3 processes, thanks to the peer phase before). A reference row: what a remote restore
    could be at best.
@@ -54,6 +59,7 @@ Target: remote job_s / peer job_s >= 5. Prints a table, writes benchmarks/result
 """
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -74,10 +80,11 @@ LOST = 1  # the process whose host is lost
 TARGET = 5.0
 PHASES = {  # mode: the row's label
     'peer': 'peer (--replicas=1)',
-    'remote': 'remote, every host downloads whole',
-    'remote_lost': 'remote, the lost host alone',
+    'remote_parts': "remote, the lost host's part (--replicas=0)",
+    'remote': 'remote, every host downloads whole (before)',
+    'remote_lost': 'remote, the lost host alone downloads whole',
 }
-HEADLINE = 'remote'
+HEADLINE = 'remote_parts'
 COLUMNS = [
     'phase', 'processes', 'state_bytes', 'lost_s', 'job_s', 'move_s', 'restore_s', 'check_s',
     'permute_s', 'own_bytes', 'peers_bytes', 'remote_bytes', 'job_remote_bytes', 'job_ratio',
@@ -151,7 +158,7 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
   from jaxckpt.checkpoint import (CheckpointManager, CheckpointOptions, layout, manifest, multihost,
                                   shardtable)
   from jaxckpt.checkpoint import peers, sends
-  from jaxckpt.checkpoint.remote import Store, objects
+  from jaxckpt.checkpoint.remote import Store, objects, partial
   from jaxckpt.checkpoint.tree import named_leaves
   root_dir = Path(root)
   directory = _directory(root_dir, process)
@@ -182,8 +189,9 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
   multihost.client().wait_at_barrier(f'bench/peers/{mode}', int(timeout * 1000))
   start = time.perf_counter()
   step_dir = directory / layout.step_dirname(1)
-  if mode == 'peer':
-    got = peers.restore_dir(directory, target, multihost.Group(timeout), None)
+  if mode in ('peer', 'remote_parts'):
+    remote = partial.peer_source(Store(url), 1, inspect=process == 0) if mode != 'peer' else None
+    got = peers.restore_dir(directory, target, multihost.Group(timeout), remote)
     if got is None:
       raise SystemExit(f'process {process}: the peers hold no whole checkpoint')
     step_dir, sources = got.path, got.sources
@@ -259,6 +267,26 @@ def run_workers(mode: str,
   return [json.loads(next(l for l in t.splitlines() if l.startswith('RESULT '))[7:]) for t in texts]
 
 
+@contextlib.contextmanager
+def _own_parts_only(root: Path, count: int, hide: bool):
+  """While it lasts (when `hide`), each host's replicas of other processes' parts are moved
+  out of its step directory: each host holds its own part alone, as without `--replicas`."""
+  from jaxckpt.checkpoint import layout
+  moved = []
+  for k in range(count) if hide else ():
+    state = _directory(root, k) / layout.step_dirname(1) / 'state'
+    for part in state.glob('process_*.safetensors') if state.is_dir() else ():
+      if part.name != f'process_{k}.safetensors':
+        aside = root / f'host{k}' / f'aside-{part.name}'
+        os.replace(part, aside)
+        moved.append((aside, part))
+  try:
+    yield
+  finally:
+    for aside, part in moved:
+      os.replace(aside, part)
+
+
 def upload_whole(root: Path, count: int, url: str) -> int:
   """The complete checkpoint the hosts' uploaders would have put in the remote: host0's step
   directory plus each other process's own part from its host (hard links, nothing copied)."""
@@ -326,7 +354,8 @@ def main(argv=None) -> None:
     for _ in range(args.repeats):
       for mode in PHASES:
         shutil.rmtree(root / f'host{LOST}')  # a replacement VM: nothing of its own
-        runs[mode].append(run_workers(mode, args, root, url))
+        with _own_parts_only(root, args.processes, mode == 'remote_parts'):
+          runs[mode].append(run_workers(mode, args, root, url))
         for k in range(args.processes):  # the downloads of a job without replicas go with it
           shutil.rmtree(root / f'host{k}' / 'remote', ignore_errors=True)
         print(f'{mode}: {json.dumps(runs[mode][-1])}', file=sys.stderr, flush=True)

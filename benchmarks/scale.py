@@ -13,6 +13,9 @@ project's own calls (`jaxckpt.checkpoint.traffic`: keys and values), per phase:
            start does about five) and opening the manager (`Group.open`)
   save     one save, from save() to committed (median over the repeats); the benchmark's own
            barrier before it is not counted
+  stop     an agreed stop: the last process gets a real SIGTERM while every process's loop
+           steps on (10 ms a step), and all stop after the same step (`hosts.agreement`, as a
+           trainer's loop does): from the signal until every loop has its outcome
   watchdog the watchdog's rounds, per round (one every `period` s)
 
 For process 0 and for the most expensive other process. `commit_s` is process 0's seconds from
@@ -35,7 +38,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 COLUMNS = [
     'processes', 'commit_s', 'save_p0_sent', 'save_p0_recv', 'save_other_sent', 'save_other_recv',
-    'start_p0_recv', 'start_other_recv', 'watchdog_p0_recv', 'watchdog_other_recv'
+    'start_p0_recv', 'start_other_recv', 'stop_s', 'stop_p0_recv', 'stop_other_sent',
+    'stop_other_recv', 'watchdog_p0_recv', 'watchdog_other_recv'
 ]
 STARTS = 5
 
@@ -76,15 +80,41 @@ def worker(process: int, count: int, coordinator: str, directory: str, repeats: 
     saves.append(
         {'seconds': time.perf_counter() - t0, **_delta(before, counted.snapshot(but=watchdog))})
   mgr.close()
+  stop = _agreed_stop(process, count, cluster, counted, watchdog)
   dog = counted.snapshot(watchdog)
   rounds = max(1, dog['calls'] // (2 if process == 0 else 3))  # its calls a round
   print(
       'RESULT ' + json.dumps({
-          'process': process, 'start': start, 'saves': saves, 'heartbeat_secs':
+          'process': process, 'start': start, 'saves': saves, 'stop': stop, 'heartbeat_secs':
               cluster.heartbeat_secs, 'watchdog': {k: v / rounds for k, v in dog.items()}
       }),
       flush=True)
   client().wait_at_barrier('bench/end', 600_000)
+
+
+def _agreed_stop(process: int, count: int, cluster, counted, watchdog) -> dict:
+  """The last process gets SIGTERM; every loop steps until the agreed stop. Its seconds, step
+  and key-value traffic from the signal on."""
+  import signal
+
+  from jaxckpt.checkpoint import signals
+  from jaxckpt.checkpoint.multihost import client
+  from jaxckpt.hosts.agreement import Agreement
+  watcher = signals.PreemptionWatcher()
+  with watcher:
+    agreement = Agreement(watcher, 0, cluster=cluster)
+    client().wait_at_barrier('bench/stop', 600_000)
+    before, t0, step = counted.snapshot(but=watchdog), time.perf_counter(), 0
+    if process == count - 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+    while agreement.stop_signal is None:
+      step += 1
+      agreement.save_now(step, 10**9, lambda: False, lambda: False)
+      time.sleep(0.01)
+    seconds = time.perf_counter() - t0
+    after = counted.snapshot(but=watchdog)
+    agreement.close()
+  return {'seconds': seconds, 'step': step, **_delta(before, after)}
 
 
 def _delta(a: dict, b: dict) -> dict:
@@ -124,15 +154,24 @@ def run_count(count: int, repeats: int, scratch: Path) -> dict:
     return statistics.median(s[what] for s in by[k]['saves'])
 
   others = [k for k in by if k != 0]
+  stopped = {r['stop']['step'] for r in by.values()}
+  if len(stopped) != 1:
+    raise SystemExit(f'{count} processes stopped after different steps: {sorted(stopped)}')
   return {
+      'stop_s': max(r['stop']['seconds'] for r in by.values()), 'stop_p0_recv': by[0]['stop']
+                                                                                ['received'],
+      'stop_other_sent': max(by[k]['stop']['sent'] for k in others
+                            ), 'stop_other_recv': max(by[k]['stop']['received'] for k in others),
       'processes': count, 'commit_s': save(0, 'seconds'), 'save_p0_sent': save(0, 'sent'),
       'save_p0_recv': save(0, 'received'), 'save_other_sent': max(save(k, 'sent') for k in others),
       'save_other_recv': max(save(k, 'received') for k in others), 'start_p0_recv': by[0]['start']
                                                                                     ['received'],
-      'start_other_recv': max(by[k]['start']['received'] for k in others
-                             ), 'watchdog_p0_recv': round(by[0]['watchdog']['received']),
-      'watchdog_other_recv': round(max(by[k]['watchdog']['received'] for k in others)),
-      'per_process': {k: {'start': r['start'], 'saves': r['saves']} for k, r in sorted(by.items())}
+      'start_other_recv': max(by[k]['start']['received'] for k in others),
+      'watchdog_p0_recv': round(by[0]['watchdog']['received']), 'watchdog_other_recv': round(
+          max(by[k]['watchdog']['received'] for k in others)), 'per_process': {
+              k: {'start': r['start'], 'saves': r['saves'], 'stop': r['stop']}
+              for k, r in sorted(by.items())
+          }
   }
 
 

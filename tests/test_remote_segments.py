@@ -4,13 +4,14 @@ record, and every commit rebuilds each record byte for byte. Against moto's S3 s
 path."""
 
 import json
+import time
 
 import jax.numpy as jnp
 import pytest
 
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, RetentionPolicy, layout
 from jaxckpt.checkpoint.errors import CheckpointError
-from jaxckpt.checkpoint.remote import Store, Uploader, objects
+from jaxckpt.checkpoint.remote import Lease, Store, Uploader, objects
 from jaxckpt.checkpoint.remote.segments import SEGMENTS, Appended, Segments
 
 LINE = 100  # bytes appended to the record per checkpoint
@@ -177,3 +178,28 @@ def test_a_commit_whose_segments_do_not_add_up_is_not_intact(store, checkpoints,
   store.write(meta_key, json.dumps(meta).encode())
   problems = objects.inspect(store, 3)[3]
   assert problems and 'loss.jsonl: segment 0 is malformed or not right after byte 0' in problems[0]
+
+
+def test_with_a_lease_unnamed_segments_go_a_lease_time_after_a_sweep_found_them(
+    checkpoints, tmp_path):
+  store, record = Store(str(tmp_path / 'run')), tmp_path / 'loss.jsonl'
+  lease = Lease(store, ttl_secs=2.0)
+  lease.acquire()
+  lease.start()
+  uploader = Uploader(store, retention=RetentionPolicy(keep=1), lease=lease)
+  try:
+    for step in range(1, 6):
+      with open(record, 'ab') as f:
+        f.write(_line(step))
+      uploader.submit(step, checkpoints / layout.step_dirname(step),
+                      {'loss.jsonl': Appended.of(record)})
+      assert uploader.wait(step, timeout=60), uploader.error
+      if step == 4:
+        time.sleep(lease.ttl)  # what the sweeps up to step 4's found unnamed may go at step 5's
+    # Kept: step 5 alone (4 + 1 lines), and only what it names is left.
+    assert sorted(objects.committed(store)) == [5]
+    named = set(_keys(objects.inspect(store, 5)[2]['records']['loss.jsonl']['segments']))
+    assert len(named) == 2 and set(store.list(SEGMENTS + '/')) == named
+  finally:
+    uploader.close()
+    lease.release()

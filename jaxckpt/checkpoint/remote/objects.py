@@ -162,7 +162,8 @@ def upload(store: Store,
   body = json.dumps(meta, indent=1).encode()
   if store.replace(prefix + REMOTE_META, body, generation) is None:
     now, _ = _read_meta(store, step)
-    if (now or {}).get('attempt') != attempt or now.get('manifest') != meta['manifest']:
+    if (now or {}).get('attempt') != attempt or now.get('manifest') != meta['manifest'] or \
+        now.get('records') != tables:
       raise Conflict(
           'E-STORE-007', f'{store.join(prefix + REMOTE_META)} was changed by another writer '
           'while this one uploaded the step', 'one trainer per --remote prefix: this run no '
