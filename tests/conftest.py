@@ -420,3 +420,48 @@ def remote_steps(store) -> list[int]:
     return sorted(objects.committed(store))
   except StoreError:
     return []
+
+
+# ------------------------------- straight runs several files compare against, made once a session
+# The tiny config trained STRAIGHT_STEPS steps in one go: tests/test_resume.py and
+# tests/test_elastic.py compare their stopped and continued runs with it.
+STRAIGHT_STEPS = 80
+STRAIGHT_FLAGS = (f'--config.train.steps={STRAIGHT_STEPS}', '--checkpoint_every=10',
+                  '--config.train.log_every=10', '--keep=0')
+STRAIGHT_MESHES = {1: (), 8: ('--config.mesh.data=4', '--config.mesh.model=2')}
+
+
+class StraightRuns:
+  """`runs[devices]`: the workdir of a run of STRAIGHT_FLAGS on `devices` devices (mesh
+  STRAIGHT_MESHES[devices]), trained the first time a test asks for it. Shared by every test of
+  the session: read it only (a test that changes one works on a shutil.copytree of it)."""
+
+  def __init__(self, trainer: TrainerCommand, tmp_path_factory):
+    self._trainer, self._tmp, self._runs = trainer, tmp_path_factory, {}
+
+  def __getitem__(self, devices: int) -> Path:
+    if devices not in self._runs:
+      workdir = self._tmp.mktemp(f'straight{devices}')
+      r = self._trainer.train(workdir, *STRAIGHT_FLAGS, *STRAIGHT_MESHES[devices], devices=devices)
+      assert r.returncode == 0, r.stderr
+      self._runs[devices] = workdir
+    return self._runs[devices]
+
+
+@pytest.fixture(scope='session')
+def straight_runs(trainer, tmp_path_factory) -> StraightRuns:
+  return StraightRuns(trainer, tmp_path_factory)
+
+
+# 2 processes of one job on one workdir, the tiny config trained 60 steps in one go:
+# tests/test_multihost_trainer.py and tests/test_remote_multihost.py compare with it.
+TWO_PROCESS_FLAGS = ('--config.train.steps=60', '--checkpoint_every=5',
+                     '--config.train.log_every=5')
+
+
+@pytest.fixture(scope='session')
+def straight_two_processes(tmp_path_factory, compile_cache) -> tuple[Path, list[tuple[int, str]]]:
+  """(workdir, [(exit code, output)] of each process) of TWO_PROCESS_FLAGS on 2 processes. Shared
+  by every test of the session: read it only (copy it with shutil.copytree to change it)."""
+  workdir = tmp_path_factory.mktemp('straight-2-processes')
+  return workdir, train_all(compile_cache, workdir, 2, *TWO_PROCESS_FLAGS)

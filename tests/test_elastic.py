@@ -3,15 +3,13 @@
 import signal
 
 import numpy as np
-from conftest import committed_steps, events_of, losses, wait_for
+from conftest import (STRAIGHT_FLAGS, STRAIGHT_MESHES, STRAIGHT_STEPS, committed_steps, events_of,
+                      losses, wait_for)
 
-STEPS = 100
-FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=10', '--keep=0',
-         '--config.train.log_every=10')
-MESH = {
-    8: ('--config.mesh.data=4', '--config.mesh.model=2'),
-    1: ('--config.mesh.data=1', '--config.mesh.model=1')
-}
+# The run of tests/test_resume.py: its straight run on 8 devices (`straight_runs`) is this one's.
+STEPS = STRAIGHT_STEPS
+FLAGS = STRAIGHT_FLAGS
+MESH = {8: STRAIGHT_MESHES[8], 1: ('--config.mesh.data=1', '--config.mesh.model=1')}
 
 
 def stop_after_a_commit(trainer, workdir, devices):
@@ -24,11 +22,8 @@ def stop_after_a_commit(trainer, workdir, devices):
   assert proc.returncode == 143, out
 
 
-def test_eight_devices_to_one(trainer, tmp_path):
-  straight = tmp_path / 'straight'
-  r = trainer.train(straight, *FLAGS, *MESH[8], devices=8)
-  assert r.returncode == 0, r.stderr
-
+def test_eight_devices_to_one(trainer, straight_runs, tmp_path):
+  straight = straight_runs[8]  # FLAGS on 8 devices, never stopped
   workdir = tmp_path / 'run'
   stop_after_a_commit(trainer, workdir, 8)
   r = trainer.train(workdir, *FLAGS, *MESH[1], devices=1)

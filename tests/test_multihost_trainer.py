@@ -6,14 +6,15 @@ the run's records while every process writes its shards of each checkpoint.
 
 import json
 import re
+import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import (TINY, assert_same_bytes, committed_steps, events_of, finish_processes, losses,
-                      start_processes, wait_for)
+from conftest import (TINY, TWO_PROCESS_FLAGS, assert_same_bytes, committed_steps, events_of,
+                      finish_processes, losses, start_processes, wait_for)
 
 
 def launch(cache, workdir, count: int, *flags: str):
@@ -54,10 +55,21 @@ def manifest(workdir, step: int) -> dict:
   return json.loads((Path(workdir) / 'checkpoints' / f'step_{step:08d}/manifest.json').read_text())
 
 
-def test_sigkill_of_every_process_then_the_same_command_is_bit_identical(tmp_path, compile_cache):
+@pytest.fixture(scope='module')
+def ten_steps(tmp_path_factory, compile_cache) -> Path:
+  """A run of 10 steps on 2 processes, a checkpoint every 5. Each test works on its own copy."""
+  workdir = tmp_path_factory.mktemp('ten-steps')
+  train(compile_cache, workdir, 2, '--config.train.steps=10', '--checkpoint_every=5')
+  return workdir
+
+
+def test_sigkill_of_every_process_then_the_same_command_is_bit_identical(
+    tmp_path, compile_cache, straight_two_processes):
   flags = ('--config.train.steps=60', '--checkpoint_every=5')
-  straight, stopped = tmp_path / 'straight', tmp_path / 'stopped'
-  results = train(compile_cache, straight, 2, *flags)
+  # The straight run is the session's: these flags and `launch`'s log_every=5, never stopped.
+  assert sorted(('--config.train.log_every=5', *flags)) == sorted(TWO_PROCESS_FLAGS)
+  straight, results = straight_two_processes
+  stopped = tmp_path / 'stopped'
   assert all(f'[{k}/2] step 60/60' in out for k, (_, out) in enumerate(results))
   procs = launch(compile_cache, stopped, 2, *flags)
   wait_for(lambda: committed_steps(stopped), procs[0], timeout=180)
@@ -91,17 +103,17 @@ def test_sigterm_to_one_process_stops_all_after_the_same_step(tmp_path, compile_
   assert json.loads((tmp_path / 'status.json').read_text())['state'] == 'interrupted'
 
 
-def test_two_processes_then_one_continue_the_run(tmp_path, compile_cache):
+def test_two_processes_then_one_continue_the_run(tmp_path, compile_cache, ten_steps):
   """The trainer resumes on another process count (4 -> 2 -> 1 processes, at the library's
   level: tests/test_multihost.py)."""
-  train(compile_cache, tmp_path, 2, '--config.train.steps=10', '--checkpoint_every=10')
+  tmp_path = shutil.copytree(ten_steps, tmp_path / 'run')  # 10 steps on 2 processes
   saved = arrays(tmp_path, 10)
   assert len(manifest(tmp_path, 10)['state_files']) == 2
   train(compile_cache, tmp_path, 1, '--config.train.steps=20', '--checkpoint_every=10')
   assert_same_bytes(arrays(tmp_path, 10), saved)  # untouched by the resume
   started = events_of(tmp_path, 'started')
   assert [(e['step'], e['processes']) for e in started] == [(0, 2), (10, 1)]
-  assert committed_steps(tmp_path) == [10, 20]
+  assert committed_steps(tmp_path) == [5, 10, 20]  # 5 and 10 from 2 processes, 20 from 1
   assert 'state_files' not in manifest(tmp_path, 20)  # one process: the single file, as ever
   assert sorted(losses(tmp_path)) == list(range(1, 21))
 
@@ -126,8 +138,9 @@ def test_sigkill_of_one_process_stops_the_others_and_the_rerun_resumes(tmp_path,
   assert events_of(tmp_path, 'resumed')[-1]['step'] == max(steps)
 
 
-def test_a_shard_damaged_on_disk_is_passed_over_by_every_process(tmp_path, compile_cache):
-  train(compile_cache, tmp_path, 2, '--config.train.steps=10', '--checkpoint_every=5')
+def test_a_shard_damaged_on_disk_is_passed_over_by_every_process(tmp_path, compile_cache,
+                                                                 ten_steps):
+  tmp_path = shutil.copytree(ten_steps, tmp_path / 'run')  # 10 steps on 2 processes
   from jaxckpt.checkpoint import statefile
   path = tmp_path / 'checkpoints/step_00000010/state/process_1.safetensors'
   header_len, entries, _ = statefile.read_header(path)

@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (assert_same_bytes, committed_steps, events_of, finish_processes, losses,
-                      remote_steps, start_trainers, train_all, wait_for)
+from conftest import (TWO_PROCESS_FLAGS, assert_same_bytes, committed_steps, events_of,
+                      finish_processes, losses, remote_steps, start_trainers, train_all, wait_for)
 
 from jaxckpt.checkpoint.formats import read_host_arrays
 from jaxckpt.checkpoint.remote import Store, objects
 
-FLAGS = ('--config.train.steps=60', '--checkpoint_every=5', '--config.train.log_every=5')
+FLAGS = TWO_PROCESS_FLAGS  # 60 steps, a checkpoint every 5, log every 5
 
 
 def _launch(cache, workdir, *flags):
@@ -31,11 +31,10 @@ def _arrays(workdir, step):
 
 
 @pytest.fixture(scope='module')
-def straight(tmp_path_factory, compile_cache) -> Path:
-  """The run never stopped, on 2 processes and one workdir."""
-  workdir = tmp_path_factory.mktemp('straight')
-  _train(compile_cache, workdir)
-  return workdir
+def straight(straight_two_processes) -> Path:
+  """The run of FLAGS never stopped, on 2 processes and one workdir: the session's
+  (tests/test_multihost_trainer.py compares with it too). Read only."""
+  return straight_two_processes[0]
 
 
 def _kill_when_uploaded(procs, store, at_least: int = 20) -> int:

@@ -10,36 +10,33 @@ import shutil
 import signal
 
 import pytest
-from conftest import (TWO_SOURCES, assert_same_bytes, checkpoint_arrays, committed_steps, events_of,
+from conftest import (STRAIGHT_FLAGS, STRAIGHT_MESHES, STRAIGHT_STEPS, TWO_SOURCES,
+                      assert_same_bytes, checkpoint_arrays, committed_steps, events_of,
                       flip_a_data_byte, jaxckpt_cli, losses, read_events, wait_for)
 
 from jaxckpt.records.runlog import read_status
 
-STEPS = 80
+STEPS = STRAIGHT_STEPS
 KILL_AFTER = 20
-RUN_FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=10',
-             '--config.train.log_every=10', '--keep=0')
-MESHES = {1: (), 8: ('--config.mesh.data=4', '--config.mesh.model=2')}
+RUN_FLAGS = STRAIGHT_FLAGS  # (steps STEPS, a checkpoint every 10, log every 10, keep all)
+MESHES = STRAIGHT_MESHES  # {1: default, 8: data 4 x model 2}
 
 
 @pytest.fixture(scope='module')
-def straight(trainer, tmp_path_factory):
-  """{devices: workdir of a run trained STEPS steps without stopping}."""
-  runs = {}
-  for devices, mesh in MESHES.items():
-    workdir = tmp_path_factory.mktemp(f'straight{devices}')
-    r = trainer.train(workdir, *RUN_FLAGS, *mesh, devices=devices)
-    assert r.returncode == 0, r.stderr
-    runs[devices] = workdir
-  return runs
+def straight(straight_runs):
+  """{devices: workdir of a run of RUN_FLAGS trained STEPS steps without stopping}: the session's
+  (tests/test_elastic.py compares with the 8-device one too). Read only: copy one to change it."""
+  return straight_runs
 
 
-@pytest.mark.parametrize('devices, stop', [
-    pytest.param(1, signal.SIGKILL, marks=pytest.mark.slow),  # tests/test_chaos.py's, 4 times
-    pytest.param(8, signal.SIGKILL, marks=pytest.mark.slow),
-    pytest.param(1, signal.SIGTERM, marks=pytest.mark.slow),
-    (8, signal.SIGTERM),
-])  # the other three pairs: `-m slow`
+@pytest.mark.parametrize(
+    'devices, stop',
+    [
+        pytest.param(1, signal.SIGKILL, marks=pytest.mark.slow),  # tests/test_chaos.py's, 4 times
+        pytest.param(8, signal.SIGKILL, marks=pytest.mark.slow),
+        pytest.param(1, signal.SIGTERM, marks=pytest.mark.slow),
+        (8, signal.SIGTERM),
+    ])  # the other three pairs: `-m slow`
 def test_stopped_run_continued_by_the_same_command_is_bit_exact(trainer, straight, tmp_path,
                                                                 devices, stop):
   proc = trainer.start(tmp_path, *RUN_FLAGS, *MESHES[devices], devices=devices)
