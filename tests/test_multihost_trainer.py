@@ -208,7 +208,7 @@ def launch_then_stop_process_1(cache, workdir, *flags: str):
 
 
 def test_a_hung_step_ends_the_run_with_every_stack_in_the_log(tmp_path, compile_cache):
-  procs = launch_then_stop_process_1(compile_cache, tmp_path, '--step_timeout_secs=5')
+  procs = launch_then_stop_process_1(compile_cache, tmp_path, '--step_timeout_secs=10')
   try:
     [(code, out)] = finish_processes(procs[:1], timeout=120)
   finally:

@@ -13,7 +13,7 @@ from conftest import REPO, committed_steps, events_of, subprocess_env, wait_for
 from jaxckpt.checkpoint import signals
 from jaxckpt.records.runlog import read_loss_history, read_status
 
-STEPS = 60  # the stop lands a few steps past step 5, where the signal is sent
+STEPS = 160  # the stop lands a few steps past step 5, where the signal is sent: 150 to spare
 FLAGS = (f'--config.train.steps={STEPS}', '--checkpoint_every=50', '--config.train.log_every=5',
          '--keep=0')
 

@@ -53,14 +53,14 @@ def start_waiting_process_0(workdir, compile_cache):
 
 def test_a_process_that_never_starts_is_named_after_the_init_timeout(tmp_path, compile_cache):
   """Only process 0 of 2: lines while it waits, then E-DIST-005 naming process 1, exit 1."""
-  # 12 s: the first waiting line comes at 10 s (`joining.REPORT_SECS`), before the timeout.
-  procs = start_processes(argv(tmp_path, 2, '--init_timeout_secs=12'), 1, cache=compile_cache)
+  # 14 s: the first waiting line comes at 10 s (`joining.REPORT_SECS`), before the timeout.
+  procs = start_processes(argv(tmp_path, 2, '--init_timeout_secs=14'), 1, cache=compile_cache)
   [(code, out)] = finish_processes(procs, timeout=120)
   lines = out.strip().splitlines()
   assert code == 1, out[-3000:]
   assert lines[-1].startswith('jaxckpt: E-DIST-005: process(es) [1] of 2 did not join 127.0.0.1:')
-  assert 'within 12 s' in lines[-1] and 'Traceback' not in out
-  assert any('waiting for 1 of 2 processes to join 127.0.0.1:' in l and 'of 12)' in l
+  assert 'within 14 s' in lines[-1] and 'Traceback' not in out
+  assert any('waiting for 1 of 2 processes to join 127.0.0.1:' in l and 'of 14)' in l
              for l in lines), out[-3000:]
 
 
