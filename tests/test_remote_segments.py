@@ -44,9 +44,10 @@ def _sizes(keys) -> int:
   return sum(int(b) - int(a) for a, b, _ in (k.rsplit('/', 1)[1].split('-') for k in keys))
 
 
-def test_each_upload_sends_what_was_appended_and_every_commit_rebuilds_the_record(
-    store, checkpoints, tmp_path):
-  record, segments, sent = tmp_path / 'loss.jsonl', Segments(), []
+def _grow_and_upload(store, checkpoints, record, segments) -> list[int]:
+  """Steps 1..STEPS: a line appended to `record`, then the step's checkpoint uploaded with it
+  (by `segments`); the bytes each upload wrote under records/."""
+  sent = []
   for step in range(1, STEPS + 1):
     with open(record, 'ab') as f:
       f.write(_line(step))
@@ -56,6 +57,13 @@ def test_each_upload_sends_what_was_appended_and_every_commit_rebuilds_the_recor
         checkpoints / layout.step_dirname(step), {'loss.jsonl': Appended.of(record)},
         segments=segments)
     sent.append(_sizes(set(store.list(SEGMENTS + '/')) - before))
+  return sent
+
+
+def test_each_upload_sends_what_was_appended_and_every_commit_rebuilds_the_record(
+    store, checkpoints, tmp_path):
+  record = tmp_path / 'loss.jsonl'
+  sent = _grow_and_upload(store, checkpoints, record, Segments())
   # A binary counter: upload k sends LINE x 2^(trailing zeros of k), and its commit names one
   # segment per set bit of k. The whole record each time would be LINE x k.
   assert sent == [LINE * (k & -k) for k in range(1, STEPS + 1)]
@@ -69,16 +77,8 @@ def test_each_upload_sends_what_was_appended_and_every_commit_rebuilds_the_recor
 
 
 def test_no_upload_sends_more_than_the_longest_segment(store, checkpoints, tmp_path):
-  record, segments, sent = tmp_path / 'loss.jsonl', Segments(segment_bytes=4 * LINE), []
-  for step in range(1, STEPS + 1):
-    with open(record, 'ab') as f:
-      f.write(_line(step))
-    before = set(store.list(SEGMENTS + '/'))
-    objects.upload(
-        store,
-        checkpoints / layout.step_dirname(step), {'loss.jsonl': Appended.of(record)},
-        segments=segments)
-    sent.append(_sizes(set(store.list(SEGMENTS + '/')) - before))
+  record = tmp_path / 'loss.jsonl'
+  sent = _grow_and_upload(store, checkpoints, record, Segments(segment_bytes=4 * LINE))
   assert sent == [LINE * min(k & -k, 4) for k in range(1, STEPS + 1)]  # 4 lines at most
   meta = objects.inspect(store, STEPS)[2]
   assert [b - a for a, b, _, _ in meta['records']['loss.jsonl']['segments']] == [4 * LINE] * 4
