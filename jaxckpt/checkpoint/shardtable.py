@@ -115,13 +115,15 @@ def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> 
           'crc32': row.get('crc32')
       }
       shards = row.get('shards') or ()
-      out[name] = [_checked(step_dir, s, name, shapes, files) for s in shards] or [whole]
+      check = _Rows(step_dir, shapes, files)
+      out[name] = [check(dict(s), name) for s in shards] or [whole]
     return out
   out = {name: [] for name in shapes}
+  check = _Rows(step_dir, shapes, files)
   for part in _parse(step_dir, _read(step_dir, meta)):
     for s in part:
-      array = s.get('array') if isinstance(s, dict) else None
-      row = _checked(step_dir, s, array, shapes, files)
+      array = s.pop('array', None) if isinstance(s, dict) else None
+      row = check(s, array)  # parsed here: checked, never copied; an unknown array raises
       out[array].append(row)
   for name, rows in out.items():  # each shard is written once: the rows partition the array
     if rows and sum(math.prod(r['shape']) for r in rows) != math.prod(shapes[name]):
@@ -166,24 +168,39 @@ def _parse(step_dir: Path, body: bytes) -> list:
 
 
 def _counts(value: Any) -> bool:
-  whole = lambda n: type(n) is int and n >= 0  # pylint: disable=unidiomatic-typecheck
-  return isinstance(value, list) and all(map(whole, value))
+  """A list of whole numbers (ints, never bools or floats), each >= 0."""
+  return isinstance(value, list) and all(type(n) is int and n >= 0 for n in value)  # pylint: disable=unidiomatic-typecheck
 
 
-def _checked(step_dir: Path, s: Any, array: Any, shapes: Mapping[str, list],
-             files: set[str]) -> dict:
-  """Shard row `s` of `array` without its `array` key, once it names a state file of the
-  checkpoint (`files`; any file inside it when the manifest lists none) and a box that lies
-  inside its array."""
-  shape = shapes.get(array) if isinstance(array, str) else None
-  ok = isinstance(s, dict) and shape is not None and isinstance(s.get('tensor'), str) and \
-      isinstance(s.get('file'), str) and layout.member_problem(s['file']) is None and \
-      (not files or s['file'] in files) and isinstance(s.get('crc32'), str) and \
-      _counts(s.get('start')) and _counts(s.get('shape')) and \
-      len(s['start']) == len(s['shape']) == len(shape) and \
-      all(a + n <= m for a, n, m in zip(s['start'], s['shape'], shape))
-  if not ok:
-    raise CheckpointError('E-CKPT-012',
-                          f'{step_dir}: a malformed shard row {json.dumps(s, default=str)[:160]}',
-                          _DAMAGED)
-  return {k: v for k, v in s.items() if k != 'array'}
+class _Rows:
+  """Checks shard rows of one checkpoint: a row names a state file of the checkpoint (`files`;
+  any file inside it when the manifest lists none) and a box that lies inside its array. Each
+  distinct file name is checked once (3 million rows name 1024 files at 70B on 1024 processes:
+  the per-row check was most of the table's parse)."""
+
+  def __init__(self, step_dir: Path, shapes: Mapping[str, list], files: set[str]):
+    self.step_dir, self.shapes, self.files, self.named = step_dir, shapes, files, {}
+
+  def _file_ok(self, name: Any) -> bool:
+    if not isinstance(name, str):
+      return False
+    ok = self.named.get(name)
+    if ok is None:
+      ok = self.named[name] = layout.member_problem(name) is None and (not self.files
+                                                                       or name in self.files)
+    return ok
+
+  def __call__(self, s: Any, array: Any) -> dict:
+    """Row `s` of `array` (without its `array` key) once it is sound; else E-CKPT-012."""
+    shape = self.shapes.get(array) if isinstance(array, str) else None
+    if shape is not None and isinstance(s, dict):
+      start, extent = s.get('start'), s.get('shape')
+      ok = isinstance(s.get('tensor'), str) and self._file_ok(s.get('file')) and \
+          isinstance(s.get('crc32'), str) and _counts(start) and _counts(extent) and \
+          len(start) == len(extent) == len(shape) and \
+          all(a + n <= m for a, n, m in zip(start, extent, shape))
+      if ok:
+        return s
+    raise CheckpointError(
+        'E-CKPT-012', f'{self.step_dir}: a malformed shard row '
+        f'{json.dumps(s, default=str)[:160]}', _DAMAGED)
