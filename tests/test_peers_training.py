@@ -43,7 +43,11 @@ def test_a_wiped_host_comes_back_from_its_peer_and_the_run_is_bit_identical(
   tiers = (f'--remote={url}', '--replicas=1', '--remote_every=3', '--remote_lease_secs=2')
   procs = _launch(compile_cache, tmp_path / 'host{k}', *tiers)
   try:
-    wait_for(lambda: any(s >= 15 for s in remote_steps(store)), procs[0], timeout=240)
+    # Process 0 logs `uploaded` after the remote commit lands: wait for the log, not the bucket.
+    wait_for(
+        lambda: any(s >= 15 for s in remote_steps(store)) and events_of(hosts[0], 'uploaded'),
+        procs[0],
+        timeout=240)
   finally:
     for p in procs:
       p.send_signal(signal.SIGKILL)
