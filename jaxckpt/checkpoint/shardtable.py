@@ -106,6 +106,7 @@ def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> 
     raise CheckpointError('E-CKPT-012', f'{step_dir}: a malformed tensor table', _DAMAGED)
   shapes = {r['name']: r['shape'] for r in tensors}
   files = set(meta.get('state_files') or ())
+  check = _Rows(step_dir, shapes, files)  # one for the whole table: each file name once
   if meta.get(KEY) is None:
     out = {}
     for row in meta['tensors']:
@@ -115,11 +116,9 @@ def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> 
           'crc32': row.get('crc32')
       }
       shards = row.get('shards') or ()
-      check = _Rows(step_dir, shapes, files)
       out[name] = [check(dict(s), name) for s in shards] or [whole]
     return out
   out = {name: [] for name in shapes}
-  check = _Rows(step_dir, shapes, files)
   for part in _parse(step_dir, _read(step_dir, meta)):
     for s in part:
       array = s.pop('array', None) if isinstance(s, dict) else None
