@@ -5,13 +5,14 @@ one CPU device each, counting their bytes through the key-value store at the pro
 calls (`jaxckpt.checkpoint.traffic`).
 """
 
+import base64
 import json
 import sys
 
 import numpy as np
 from conftest import finish_processes, start_processes
 
-LEAVES = 40  # each process's part record names 40 shards: a few KB, far above a word
+LEAVES = 40  # each process's part record names 40 shards: 0.4 KB, far above a word
 
 
 def worker(cmd: str, process: int, count: int, coordinator: str, directory: str) -> None:
@@ -77,11 +78,11 @@ def test_a_save_sends_every_part_record_to_process_0_alone(tmp_path, compile_cac
     assert code == 0, f'process {k} exited {code}:\n{out[-3000:]}'
   manifest = json.loads((tmp_path / 'step_00000002' / 'manifest.json').read_text())
   assert manifest['state_files'] == [f'state/process_{k}.safetensors' for k in range(3)]
-  # Process 2's part record: at least its shard rows, as the manifest has them.
-  parts = json.loads((tmp_path / 'step_00000002' / 'shards.json').read_text())['parts']
-  rows = [s for s in parts[2] if s['file'].endswith('_2.safetensors')]
-  record = len(json.dumps(rows, separators=(',', ':')))
-  assert len(rows) == LEAVES and record > 2000, record
+  # Process 2's part record: at least its cells as it posted them, 8 bytes each in base64.
+  table = json.loads((tmp_path / 'step_00000002' / 'shards.json').read_text())
+  cells = np.frombuffer(base64.b64decode(table['cells']), '<u4').reshape(-1, 2)
+  assert table['files'][2].endswith('_2.safetensors') and int((cells[:, 0] == 2).sum()) == LEAVES
+  record = 8 * LEAVES * 4 // 3
   p0, p1, p2 = (traffic(out) for _, out in results)
   assert p0['received'] > 2 * record, p0  # process 0 reads both others' records
   for other in (p1, p2):  # the others read process 0's word, never a record

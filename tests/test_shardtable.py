@@ -67,7 +67,7 @@ def test_process_0_copies_the_rows_and_parses_only_each_records_first_line(tmp_p
 
 def test_a_reader_gets_every_arrays_shards_from_the_file_the_manifest_seals(tmp_path):
   step_dir, meta = checkpoint(tmp_path)
-  assert meta['format_version'] == 2 and all('shards' not in r for r in meta['tensors'])
+  assert meta['format_version'] == 3 and all('shards' not in r for r in meta['tensors'])
   got = shardtable.shard_table(step_dir, meta, None)
   assert [(s['file'], s['start'], s['shape']) for s in got['w']] == [
       ('state/process_0.safetensors', [0, 0], [2, 3]),

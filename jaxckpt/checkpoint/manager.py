@@ -186,14 +186,14 @@ class CheckpointManager:
     run_state_json = _json_bytes({'step': step, **(run_state or {})})
     metadata = json.loads(_json_bytes(dict(metadata or {})))
     # Across processes each one stages and writes only the shards it owns (`multihost`).
-    group, parts, places = self._group, leaves, {}
+    group, parts, places, grid = self._group, leaves, {}, None
     copies = []  # the parts of other processes this one keeps (`replicas`)
     if group is not None and self._storage() == SAFETENSORS:
-      parts, places = multihost.owned_parts(leaves)
+      (parts, places), grid = multihost.owned_parts(leaves), multihost.grid(leaves)
       copies = replicas.dispatch(leaves, self.options.replicas) if self.options.replicas else []
     # The tensor tables are formatted by the writer: the caller only waits for the host copy (the
     # arrays themselves may be donated to the next train step by then).
-    shapes = (avals(leaves), avals(left_out), places, self._saves, copies)
+    shapes = (avals(leaves), avals(left_out), (places, grid), self._saves, copies)
     self._saves += 1
     self.mode_used = mode = self._mode(parts)
     self.staging_used = 'host'
@@ -331,10 +331,11 @@ class CheckpointManager:
           f'failed: {type(e).__name__}: {e}',
           f'checkpoint step {step} is committed and intact') from e
 
-  def _write_state(self, tmp, step, seq, staged, region, table, places, copies=()):
+  def _write_state(self, tmp, step, seq, staged, region, table, placed, copies=()):
     """Write this process's state file: ({file: {size, crc32}}, the tensor table with CRCs).
     Across processes, every process's files and shards, once all of them are durable."""
     name = statefile.file_name(0 if self._group is None else self._group.index)
+    rel, (places, grid) = f'{layout.STATE_DIR}/{name}', placed
     header = []  # with the region: the file is in memory until the next save stages over it
     written, crcs = statefile.write(
         tmp / layout.STATE_DIR,
@@ -344,21 +345,20 @@ class CheckpointManager:
         metadata=multihost.header_metadata(places),
         on_header=header.append)
     lent = region is not None and self._stager.lend(header[0], written[name]['size'])
-    self._in_memory = {f'{layout.STATE_DIR}/{name}': lent} if lent else {}
+    self._in_memory = {rel: lent} if lent else {}
     if self._group is None:
-      return {f'{layout.STATE_DIR}/{name}': written[name]}, \
-          [{**row, 'crc32': crcs[row['name']]} for row in table]
+      return {rel: written[name]}, [{**row, 'crc32': crcs[row['name']]} for row in table]
     held = replicas.write(tmp / layout.STATE_DIR, copies)  # before the barrier: in the commit
     atomic.fsync_dir(tmp / layout.STATE_DIR)  # their names are durable too
-    record = shardtable.part_record(f'{layout.STATE_DIR}/{name}', written[name], crcs, places,
-                                    {t: np.shape(x) for t, x in staged.items()})
+    record = shardtable.part_record(rel, written[name], crcs, places,
+                                    {t: np.shape(x) for t, x in staged.items()}, grid)
     # Process 0 alone reads every part record (it writes the manifest); so does each process
     # when each commits its own part (not `shared`): its manifest covers every file.
     records = self._group.collect(
         f'{seq}/durable', f'checkpoint step {step}', record, everyone=not self._group.shared)
-    mine = records is None  # a process that writes no manifest: its own record alone
-    files, shards = shardtable.merge_records(
-        [record] if mine else records, expect=1 if mine else self._group.count)
+    mine = records is None  # a process that writes no manifest: its own file alone
+    files, shards = ({rel: {k: written[name][k] for k in ('size', 'crc32')}}, None) if mine else \
+        shardtable.merge_records(records, expect=self._group.count, grid=grid)
     replicas.keep_matching(tmp, held, files)
     if not mine:  # this process writes a manifest: the shards' table beside it
       files[shardtable.SHARDS] = shardtable.write(tmp / shardtable.SHARDS, shards)

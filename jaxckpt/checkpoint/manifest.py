@@ -20,8 +20,9 @@ from .errors import CheckpointError
 
 FORMAT = 'jaxckpt.checkpoint'
 # 2: the shards of a checkpoint written by several processes are in `shards.json`
-# (`shardtable`); a manifest without it is still written as 1, which every version reads.
-FORMAT_VERSION = 2
+# (`shardtable`); 3: that table may be a grid (`shardgrid`), which a reader of 2 cannot read. A
+# manifest without a shard table is still written as 1, which every version reads.
+FORMAT_VERSION = 3
 _CHUNK = 8 << 20
 
 

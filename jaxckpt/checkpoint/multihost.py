@@ -8,7 +8,7 @@ by one of the processes that hold it: every process computes the same assignment
 shardings alone, largest shards first, each to its least loaded holder, so replicated arrays are
 spread over the processes instead of all landing on process 0. A tensor in a process's file is
 named after its array, with its place when it is a part of it (`params/wte/embedding[0:128,0:64]`);
-the file's `__metadata__` (`shard/<tensor>`) and the manifest's tensor table (`shards`) record the
+the file's `__metadata__` (`shard/<tensor>`) and the checkpoint's shard table (`shardtable`) record the
 array, the start in the global shape and the CRC-32 of each.
 
 A save: every process writes its file in the same temporary directory (named after the step, so
@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from . import atomic, layout, shardtable, statefile, traffic
+from . import atomic, layout, shardgrid, shardtable, statefile, traffic
 from .checksum import crc32
 from .directio import pread_into
 from .errors import CheckpointError
@@ -199,11 +199,7 @@ def _box(index, shape) -> Box:
   return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
 
 
-def tensor_name(array: str, box: Box, shape) -> str:
-  """`array` when the shard is the whole array, else `array[a:b,c:d]`."""
-  if all(a == 0 and b == n for (a, b), n in zip(box, shape)):
-    return array
-  return f'{array}[{",".join(f"{a}:{b}" for a, b in box)}]'
+tensor_name = shardgrid.tensor_name
 
 
 @functools.lru_cache(maxsize=8)
@@ -229,6 +225,32 @@ def _owners(key, count: int) -> dict[tuple[int, Box], int]:
   return owners
 
 
+def _key(leaves: Mapping[str, Any]) -> tuple:
+  return tuple((n, tuple(np.shape(x)), np.dtype(x.dtype).itemsize,
+                x.sharding if isinstance(x, jax.Array) else None) for n, x in leaves.items())
+
+
+def grid(leaves: Mapping[str, Any]) -> shardgrid.Grid | None:
+  """The cells of every leaf's shards when each is an even split (any `jax.sharding`'s); None
+  when one is not. Every process computes the same from the shardings alone."""
+  return _grid(_key(leaves))
+
+
+@functools.lru_cache(maxsize=8)
+def _grid(key) -> shardgrid.Grid | None:
+  arrays = []
+  for name, shape, _, sharding in key:
+    if sharding is None:  # a host value every process has: one cell
+      parts = [1] * len(shape)
+    else:
+      parts = shardgrid.parts_of(
+          (_box(i, shape) for i in sharding.devices_indices_map(shape).values()), shape)
+      if parts is None:
+        return None
+    arrays.append((name, shape, parts))
+  return shardgrid.Grid(arrays)
+
+
 def owned_parts(leaves: Mapping[str, Any],
                 *,
                 of: int | None = None,
@@ -236,8 +258,7 @@ def owned_parts(leaves: Mapping[str, Any],
   """(parts, places): the shards this process writes (process `of`'s, taken from the same
   arrays moved onto this process's devices, `moved`: a replica), as {tensor name: single-device
   array or host array}, and {tensor name: {'array', 'start', 'global_shape'}}."""
-  key = tuple((n, tuple(np.shape(x)), np.dtype(x.dtype).itemsize,
-               x.sharding if isinstance(x, jax.Array) else None) for n, x in leaves.items())
+  key = _key(leaves)
   me = jax.process_index() if of is None else of
   parts, places = {}, {}
   for (i, box), owner in _owners(key, jax.process_count()).items():
@@ -266,7 +287,7 @@ def state_files(meta: Mapping[str, Any]) -> list[str]:
   return list(meta.get('state_files') or [])
 
 
-def needed_files(shards: Mapping[str, list],
+def needed_files(shards: shardtable.Table,
                  want: Mapping[str, Any],
                  count: int,
                  *,
@@ -288,19 +309,13 @@ def needed_files(shards: Mapping[str, list],
     for device, index in indices.items():
       boxes.setdefault(_box(index, shape), set()).add(device.process_index)
     for box, processes in boxes.items():
-      files = {s['file'] for s in shards[name] if _overlap(box, s)}
+      files = {s['file'] for s in shards.overlapping(name, box)}
       for k in processes:
         out[k] |= files
   return out
 
 
-def _overlap(box: Box, shard: Mapping[str, Any]) -> bool:
-  return all(
-      max(a, s0) < min(b, s0 + n) for (a, b), s0, n in zip(box, shard['start'], shard['shape']))
-
-
-def unread(meta: Mapping[str, Any], want: Mapping[str, Any], shards: Mapping[str,
-                                                                             list]) -> set[str]:
+def unread(meta: Mapping[str, Any], want: Mapping[str, Any], shards: shardtable.Table) -> set[str]:
   """The state files a restore of `want` on this process reads nothing from."""
   needed = needed_files(shards, want, jax.process_count(), local=True)
   return set(state_files(meta)) - needed[jax.process_index()]
@@ -329,7 +344,7 @@ class _Files:
       os.close(fd)
 
 
-def fill(step_dir: Path, shards: Mapping[str, list[dict]], boxes: Mapping[str, dict[Box, Any]],
+def fill(step_dir: Path, shards: shardtable.Table, boxes: Mapping[str, dict[Box, Any]],
          dtypes: Mapping[str, Any], *, checksums: bool) -> None:
   """Fill each buffer `boxes[array][box]` (a host array of the box's extent) from the shards
   that overlap it, reading only the byte range of each shard that covers the overlap."""
@@ -342,7 +357,7 @@ def fill(step_dir: Path, shards: Mapping[str, list[dict]], boxes: Mapping[str, d
         dtype = np.dtype(dtypes[array])
         for box, buf in wanted.items():
           covered = 0
-          for s in shards[array]:
+          for s in shards.overlapping(array, box):
             local = [(max(a, b0) - b0, min(b, b0 + n) - b0)
                      for (a, b), b0, n in zip(box, s['start'], s['shape'])]
             if any(lo >= hi for lo, hi in local):
@@ -389,7 +404,7 @@ def _read_into(fd, offset, shard, local, box, buf, dtype, expect) -> None:
   buf[at] = part
 
 
-def restore(step_dir: Path, shards: Mapping[str, list[dict]], want: Mapping[str, Any], *,
+def restore(step_dir: Path, shards: shardtable.Table, want: Mapping[str, Any], *,
             checksums: bool) -> dict[str, jax.Array]:
   """The arrays `want` ({name: target with shape, dtype, sharding}), each process reading just
   what its devices hold."""

@@ -21,7 +21,7 @@ from .formats import SAFETENSORS, data_file, read_state_file
 
 
 def shard_rows(step_dir: Path, raw: bytes, meta: Mapping[str, Any], *,
-               verify: bool) -> dict[str, list] | None:
+               verify: bool) -> shardtable.Table | None:
   """The shard table of a checkpoint read from several state files (across processes), read
   once for a restore, and only once the manifest (`raw`) matches its seal when `verify`; None
   for a single state file on one process, or orbax."""
@@ -36,7 +36,7 @@ def shard_rows(step_dir: Path, raw: bytes, meta: Mapping[str, Any], *,
 
 def read_arrays(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any], *,
                 checksums: bool, verify: bool, partial: bool,
-                shards: Mapping[str, list] | None) -> dict[str, jax.Array]:
+                shards: shardtable.Table | None) -> dict[str, jax.Array]:
   """{name: array} of the tensors `want` names (each a `ShapeDtypeStruct` with its sharding or
   an array). `verify=False`: the caller's check just read the file (no direct I/O needed).
   `shards`: `shard_rows`'s answer; given, each process reads the byte ranges of its shards."""

@@ -1,23 +1,27 @@
 """Where each shard of a checkpoint written by several processes is: `shards.json`.
 
 A checkpoint of N processes has up to N shards of every array (a fully sharded job: 1024
-processes and andrea_120m's 449 leaves make 194,000 shards; a 70B-parameter tree, 3 million). Listed in `manifest.json` itself, they
-made every reader of the manifest parse all of them (`latest`, `inspect`, a retention pass) and
-process 0 parse and re-encode every process's record at each commit. So they are a file of their
-own beside the state files:
+processes and andrea_120m's 449 leaves make 194,000 shards; a 70B-parameter tree, 3 million).
+Listed in `manifest.json` itself, they made every reader of the manifest parse all of them
+(`latest`, `inspect`, a retention pass). So they are a file of their own beside the state files:
 
     step_00000100/manifest.json     the commit: files (shards.json's size and CRC-32 included),
                                     tensors (name, shape, dtype, spec), "shard_table": "shards.json"
-    step_00000100/shards.json       {"format": "jaxckpt.shards", "parts": [[shard, ...], ...]}
+    step_00000100/shards.json       the shards: a grid (version 2, `shardgrid`), or JSON rows
 
 Each process posts a part record of two lines: its file (name, size, CRC-32), which process 0
-parses, then its shards as JSON, which process 0 copies into `shards.json` as they are, in process
-order, so that every process that commits a part (each host's own disk) writes the same bytes. A
-shard is {array, file, tensor, start, shape, crc32}. A reader takes `shards.json` only at the size
-and CRC-32 the sealed manifest gives it, and checks every row before it is used: its file is a
-state file of the checkpoint, its box lies inside its array, and an array's rows add up to its
-shape. Manifests from before this file (format 1) list the shards in their tensor rows, and are
-read as they are; a jaxckpt from before it refuses format 2 (E-CKPT-006: upgrade jaxckpt).
+parses, then its shards. Since any `jax.sharding` splits an array evenly, the shards are the
+cells of a grid, and a process posts only its cells' numbers and CRC-32s (`shardgrid`: 8 bytes a
+shard); process 0 files them into one table, which every process that commits a part (each
+host's own disk) writes as the same bytes. A reader takes `shards.json` only at the size and
+CRC-32 the sealed manifest gives it, checks it, and finds the cells a box needs by arithmetic.
+
+The first version of the file (still read; written when shardings are not even splits, which jax does
+not make) holds JSON rows {array, file, tensor, start, shape, crc32}, each process's copied as
+posted; every row is checked before it is used: its file is a state file of the checkpoint, its
+box lies inside its array, and an array's rows add up to its shape. Manifests from before the
+file (format 1) list the shards in their tensor rows, and are read as they are; a jaxckpt from
+before a format refuses it (E-CKPT-006: upgrade jaxckpt).
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from collections import abc
+from typing import Any, Iterator, Mapping, NamedTuple
 
-from . import atomic, layout
+from . import atomic, layout, shardgrid
 from .checksum import crc32
 from .errors import CheckpointError
 
@@ -37,22 +42,41 @@ FORMAT = 'jaxckpt.shards'
 _DAMAGED = 'the checkpoint is damaged; resume from an earlier checkpoint'
 
 
-def part_record(rel: str, written: Mapping[str, Any], crcs: Mapping[str, str],
-                places: Mapping[str, Mapping[str, Any]], shapes: Mapping[str, Any]) -> str:
-  """What a process posts about its file: a line with its size and CRC, then its shards."""
+def part_record(rel: str,
+                written: Mapping[str, Any],
+                crcs: Mapping[str, str],
+                places: Mapping[str, Mapping[str, Any]],
+                shapes: Mapping[str, Any],
+                grid: shardgrid.Grid | None = None) -> str:
+  """What a process posts about its file: a line with its size and CRC, then its shards: the
+  cells of `grid` it wrote (`shardgrid.post`), or without one their JSON rows."""
+  head = {'file': rel, 'size': written['size'], 'crc32': written['crc32']}
+  if grid is not None:
+    head['cells'] = len(places)
+    return json.dumps(head, separators=(',', ':')) + '\n' + shardgrid.post(grid, places, crcs)
   shards = [{
       'array': p['array'], 'file': rel, 'tensor': t, 'start': p['start'], 'shape': list(shapes[t]),
       'crc32': crcs[t]
   } for t, p in places.items()]
-  head = json.dumps({'file': rel, 'size': written['size'], 'crc32': written['crc32']},
-                    separators=(',', ':'))
-  return head + '\n' + json.dumps(shards, separators=(',', ':'))
+  return json.dumps(head, separators=(',', ':')) + '\n' + json.dumps(shards, separators=(',', ':'))
 
 
-def merge_records(records: list[str], *, expect: int) -> tuple[dict[str, dict], list[str]]:
-  """({file: {size, crc32}}, each record's shard rows as posted) from every process's
-  `part_record`, in process order: only the first line of each is parsed. E-DIST-002 unless
-  there are `expect` of them (a store that answered with fewer commits nothing)."""
+class GridParts(NamedTuple):
+  """What `merge_records` gives for a grid: the state file of each process, each cell's."""
+  grid: shardgrid.Grid
+  files: list[str]
+  cells: Any  # numpy (process, crc32) per cell
+
+
+def merge_records(records: list[str],
+                  *,
+                  expect: int,
+                  grid: shardgrid.Grid | None = None) -> tuple[dict[str, dict], Any]:
+  """({file: {size, crc32}}, the shards) from every process's `part_record`, in process order:
+  the shards are each record's rows as posted (only the first line of each is parsed), or with
+  `grid` its cells filed into one table (`GridParts`). E-DIST-002 unless there are `expect`
+  records, each of the kind `grid` says, holding every cell once (a store that answered with
+  fewer, or a process that posted another layout, commits nothing)."""
   if len(records) != expect:
     raise CheckpointError('E-DIST-002',
                           f'the key-value store gave {len(records)} of {expect} part records',
@@ -61,8 +85,16 @@ def merge_records(records: list[str], *, expect: int) -> tuple[dict[str, dict], 
   for record in records:
     head, _, shards = record.partition('\n')
     head = json.loads(head)
+    if ('cells' in head) != (grid is not None):
+      raise CheckpointError(
+          'E-DIST-002', f'the part record of {head["file"]} is '
+          f'{"a grid" if "cells" in head else "rows"}, process 0 wrote '
+          f'{"a grid" if grid is not None else "rows"}', 'nothing was committed; every process '
+          'must run the same jaxckpt on the same shardings')
     files[head['file']] = {'size': head['size'], 'crc32': head['crc32']}
     parts.append(shards)
+  if grid is not None:
+    return files, GridParts(grid, list(files), shardgrid.merge(grid, parts))
   return files, parts
 
 
@@ -73,18 +105,21 @@ def _pieces(parts: list[str]) -> Iterator[bytes]:
   yield b'\n]}\n'
 
 
-def table_bytes(parts: list[str]) -> bytes:
-  """The bytes of `shards.json` for `merge_records`'s parts."""
+def table_bytes(parts: list[str] | GridParts) -> bytes:
+  """The bytes of `shards.json` for `merge_records`'s shards."""
+  if isinstance(parts, GridParts):
+    return shardgrid.table_bytes(parts.grid, parts.files, parts.cells)
   return b''.join(_pieces(parts))
 
 
-def write(path: Path, parts: list[str]) -> dict[str, Any]:
-  """Writes `shards.json` durably at `path`, one process's rows after another (never the whole
-  table in memory: 500 MB for a 70B-parameter state at 1024 processes); returns its row of the
-  manifest's files table, {size, crc32}."""
+def write(path: Path, parts: list[str] | GridParts) -> dict[str, Any]:
+  """Writes `shards.json` durably at `path` (JSON rows one process's after another: never the
+  whole table in memory, 500 MB for a 70B-parameter state at 1024 processes); returns its row of
+  the manifest's files table, {size, crc32}."""
   crc, size = 0, 0
+  pieces = [table_bytes(parts)] if isinstance(parts, GridParts) else _pieces(parts)
   with atomic.atomic_file(path) as tmp, open(tmp, 'wb') as f:
-    for piece in _pieces(parts):
+    for piece in pieces:
       f.write(piece)
       crc, size = crc32(piece, crc), size + len(piece)
   return {'size': size, 'crc32': f'{crc:08x}'}
@@ -95,10 +130,38 @@ def entry(body: bytes) -> dict[str, Any]:
   return {'size': len(body), 'crc32': f'{crc32(body):08x}'}
 
 
-def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> dict[str, list]:
-  """{array: [shard rows]} of a checkpoint, every row checked: from `shards.json`, from the
-  manifest's tensor rows (format 1), or, for a single-file checkpoint, each tensor as one whole
-  shard of `single`."""
+class Rows(abc.Mapping):
+  """A shard table of JSON rows, checked: {array: [row]}, and `overlapping(array, box)`."""
+
+  def __init__(self, rows: dict[str, list]):
+    self.rows = rows
+
+  def overlapping(self, array: str, box: shardgrid.Box) -> list[dict]:
+    """The rows of `array` whose shards overlap `box`."""
+    return [s for s in self.rows.get(array, ()) if _overlap(box, s)]
+
+  def __getitem__(self, array: str) -> list[dict]:
+    return self.rows[array]
+
+  def __iter__(self) -> Iterator[str]:
+    return iter(self.rows)
+
+  def __len__(self) -> int:
+    return len(self.rows)
+
+
+def _overlap(box: shardgrid.Box, shard: Mapping[str, Any]) -> bool:
+  return all(
+      max(a, s0) < min(b, s0 + n) for (a, b), s0, n in zip(box, shard['start'], shard['shape']))
+
+
+Table = Rows | shardgrid.Table  # what `shard_table` gives
+
+
+def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> Table:
+  """The shard table of a checkpoint, checked: from `shards.json` (a grid, or JSON rows), from
+  the manifest's tensor rows (format 1), or, for a single-file checkpoint, each tensor as one
+  whole shard of `single`."""
   tensors = meta.get('tensors')
   if not isinstance(tensors, list) or not all(
       isinstance(r, dict) and isinstance(r.get('name'), str) and _counts(r.get('shape'))
@@ -117,9 +180,14 @@ def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> 
       }
       shards = row.get('shards') or ()
       out[name] = [check(dict(s), name) for s in shards] or [whole]
-    return out
+    return Rows(out)
+  table = _parse(step_dir, _read(step_dir, meta))
+  if isinstance(table, dict):
+    return shardgrid.Table(
+        table, shapes, check.file_ok,
+        lambda what: CheckpointError('E-CKPT-012', f'{step_dir / SHARDS}: {what}', _DAMAGED))
   out = {name: [] for name in shapes}
-  for part in _parse(step_dir, _read(step_dir, meta)):
+  for part in table:
     for s in part:
       array = s.pop('array', None) if isinstance(s, dict) else None
       row = check(s, array)  # parsed here: checked, never copied; an unknown array raises
@@ -129,7 +197,7 @@ def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> 
       raise CheckpointError(
           'E-CKPT-012', f'{step_dir}: the shard rows of {name} do not add up to its shape '
           f'{shapes[name]}', _DAMAGED)
-  return out
+  return Rows(out)
 
 
 def _read(step_dir: Path, meta: Mapping[str, Any]) -> bytes:
@@ -153,13 +221,17 @@ def _read(step_dir: Path, meta: Mapping[str, Any]) -> bytes:
   return body
 
 
-def _parse(step_dir: Path, body: bytes) -> list:
-  """The parts of a `shards.json` whose bytes are `body`."""
+def _parse(step_dir: Path, body: bytes) -> list | dict:
+  """The parts of a `shards.json` of JSON rows whose bytes are `body`, or the table itself when
+  it is a grid (`shardgrid`)."""
   path = step_dir / SHARDS
   try:
     table = json.loads(body)
   except ValueError as e:
     raise CheckpointError('E-CKPT-012', f'{path}: not JSON ({e})', _DAMAGED) from e
+  if isinstance(table, dict) and table.get('format') == FORMAT and \
+      table.get('version') == shardgrid.VERSION:
+    return table
   parts = table.get('parts') if isinstance(table, dict) and table.get('format') == FORMAT else None
   if not isinstance(parts, list) or not all(isinstance(p, list) for p in parts):
     raise CheckpointError('E-CKPT-012', f'{path}: not a jaxckpt shard table', _DAMAGED)
@@ -180,7 +252,7 @@ class _Rows:
   def __init__(self, step_dir: Path, shapes: Mapping[str, list], files: set[str]):
     self.step_dir, self.shapes, self.files, self.named = step_dir, shapes, files, {}
 
-  def _file_ok(self, name: Any) -> bool:
+  def file_ok(self, name: Any) -> bool:
     if not isinstance(name, str):
       return False
     ok = self.named.get(name)
@@ -194,7 +266,7 @@ class _Rows:
     shape = self.shapes.get(array) if isinstance(array, str) else None
     if shape is not None and isinstance(s, dict):
       start, extent = s.get('start'), s.get('shape')
-      ok = isinstance(s.get('tensor'), str) and self._file_ok(s.get('file')) and \
+      ok = isinstance(s.get('tensor'), str) and self.file_ok(s.get('file')) and \
           isinstance(s.get('crc32'), str) and _counts(start) and _counts(extent) and \
           len(start) == len(extent) == len(shape) and \
           all(a + n <= m for a, n, m in zip(start, extent, shape))
