@@ -29,6 +29,7 @@ processes. Prints a table, writes benchmarks/results/manifest_scale.json.
 import argparse
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -36,13 +37,13 @@ import time
 from pathlib import Path
 
 from benchmarks.common import _model_shapes, print_table, write_results
-from jaxckpt.checkpoint import atomic, layout, manifest, multihost, shardtable, statefile
+from jaxckpt.checkpoint import atomic, layout, manifest, multihost, shardgrid, shardtable, statefile
 
 TREES = {'120m': (120.8e6, 449), '70b': (70e9, 80 * 12 * 3 + 11)}
 TARGET_S = 1.0
 COLUMNS = [
-    'tree', 'processes', 'shards', 'manifest_mb', 'shards_mb', 'records_s', 'merge_s', 'commit_s',
-    'latest_s', 'inspect_s', 'shard_table_s'
+    'tree', 'processes', 'table', 'shards', 'manifest_mb', 'shards_mb', 'record_kb', 'records_s',
+    'merge_s', 'commit_s', 'latest_s', 'inspect_s', 'shard_table_s', 'lookup_s'
 ]
 
 
@@ -54,23 +55,49 @@ def leaves(tree: str) -> list[tuple[str, tuple[int, ...]]]:
           for name, shape in shapes] + [('step', ()), ('opt/count', ())]
 
 
+def split_axis(shape: tuple[int, ...], processes: int) -> int | None:
+  """The dimension a fully sharded job splits `processes` ways: the first of at least that many
+  elements (None: the leaf is whole, owned by one process)."""
+  return next((d for d, n in enumerate(shape) if n >= processes), None)
+
+
+def padded(tree: list, processes: int) -> list[tuple[str, tuple[int, ...]]]:
+  """`tree` with each split dimension rounded up to a multiple of `processes`, as a job pads a
+  dimension it shards: jax splits an array only evenly (752 over 256 devices is refused)."""
+  out = []
+  for name, shape in tree:
+    axis = split_axis(shape, processes)
+    out.append(
+        (name,
+         tuple(-(-n // processes) * processes if d == axis else n for d, n in enumerate(shape))))
+  return out
+
+
 def layout_shards(tree: list, processes: int) -> list[dict[str, tuple]]:
-  """For each process, {tensor: (array, start, shape)} of the shards it writes."""
+  """For each process, {tensor: (array, box)} of the shards it writes."""
   parts = [{} for _ in range(processes)]
   for i, (name, shape) in enumerate(tree):
-    axis = next((d for d, n in enumerate(shape) if n >= processes), None)
+    axis = split_axis(shape, processes)
     if axis is None:
       box = tuple((0, n) for n in shape)
       parts[i % processes][multihost.tensor_name(name, box, shape)] = (name, box)
       continue
-    cuts = [shape[axis] * k // processes for k in range(processes + 1)]
+    c = shape[axis] // processes
     for k in range(processes):
-      box = tuple((cuts[k], cuts[k + 1]) if d == axis else (0, n) for d, n in enumerate(shape))
+      box = tuple((k * c, (k + 1) * c) if d == axis else (0, n) for d, n in enumerate(shape))
       parts[k][multihost.tensor_name(name, box, shape)] = (name, box)
   return parts
 
 
-def record(k: int, shards: dict[str, tuple]) -> tuple[str, int]:
+def grid_of(tree: list, processes: int) -> shardgrid.Grid:
+  return shardgrid.Grid(
+      (name, shape,
+       [processes if d == split_axis(shape, processes) else 1
+        for d in range(len(shape))])
+      for name, shape in tree)
+
+
+def record(k: int, shards: dict[str, tuple], grid: shardgrid.Grid | None) -> tuple[str, int]:
   places = {
       t: {'array': a, 'start': [lo for lo, _ in box], 'global_shape': []}
       for t, (a, box) in shards.items()
@@ -79,8 +106,8 @@ def record(k: int, shards: dict[str, tuple]) -> tuple[str, int]:
   size = sum(4 * max(1, math.prod(s)) for s in shapes.values())
   crcs = {t: f'{(hash(t) & 0xffffffff):08x}' for t in shards}
   rel = f'{layout.STATE_DIR}/{statefile.file_name(k)}'
-  return shardtable.part_record(rel, {'size': size, 'crc32': '0badcafe'}, crcs, places,
-                                shapes), size
+  return shardtable.part_record(rel, {'size': size, 'crc32': '0badcafe'}, crcs, places, shapes,
+                                grid), size
 
 
 def _timed(fn):
@@ -98,15 +125,16 @@ def _inspect_s(step_dir: Path) -> float:
   return time.perf_counter() - t0
 
 
-def measure(tree_name: str, processes: int, root: Path) -> dict:
-  tree = leaves(tree_name)
+def measure(tree_name: str, processes: int, root: Path, table_kind: str = 'grid') -> dict:
+  tree = padded(leaves(tree_name), processes)
   parts = layout_shards(tree, processes)
-  built = [record(k, p) for k, p in enumerate(parts)]
-  _, records_s = _timed(lambda: record(0, parts[0]))
+  grid = grid_of(tree, processes) if table_kind == 'grid' else None
+  built = [record(k, p, grid) for k, p in enumerate(parts)]
+  _, records_s = _timed(lambda: record(0, parts[0], grid))
   table = [{'name': n, 'shape': list(s), 'dtype': 'float32', 'spec': None} for n, s in tree]
-  (files, shards
-  ), merge_s = _timed(lambda: shardtable.merge_records([r for r, _ in built], expect=processes))
-  step_dir = root / f'{tree_name}-{processes}' / layout.step_dirname(1)
+  (files, shards), merge_s = _timed(
+      lambda: shardtable.merge_records([r for r, _ in built], expect=processes, grid=grid))
+  step_dir = root / f'{tree_name}-{processes}-{table_kind}' / layout.step_dirname(1)
   (step_dir / layout.STATE_DIR).mkdir(parents=True)
   for rel, entry in files.items():
     with open(step_dir / rel, 'wb') as f:
@@ -128,12 +156,17 @@ def measure(tree_name: str, processes: int, root: Path) -> dict:
   if problems:
     raise SystemExit(f'{step_dir}: {problems[:3]}')
   got, table_s = _timed(lambda: shardtable.shard_table(step_dir, m, None))
+  # What a restore on the same mesh then looks up: the rows under each of one process's boxes.
+  mine = parts[processes // 2]
+  found, lookup_s = _timed(lambda: sum(len(got.overlapping(a, box)) for a, box in mine.values()))
+  assert found == len(mine), (found, len(mine))
   return {
-      'tree': tree_name, 'processes': processes, 'shards': sum(map(len, got.values())),
-      'manifest_mb': len(raw) / 1e6, 'shards_mb':
-          (step_dir / shardtable.SHARDS).stat().st_size / 1e6, 'records_s': records_s,
-      'merge_s': merge_s, 'commit_s': commit_s, 'latest_s': latest_s,
-      'inspect_s': _inspect_s(step_dir), 'shard_table_s': table_s, 'step_dir': step_dir
+      'tree': tree_name, 'processes': processes, 'table': table_kind,
+      'shards': sum(map(len, parts)), 'manifest_mb': len(raw) / 1e6, 'shards_mb':
+          (step_dir / shardtable.SHARDS).stat().st_size / 1e6, 'record_kb': len(built[0][0]) / 1e3,
+      'records_s': records_s, 'merge_s': merge_s, 'commit_s': commit_s, 'latest_s': latest_s,
+      'inspect_s': _inspect_s(step_dir), 'shard_table_s': table_s, 'lookup_s': lookup_s,
+      'step_dir': step_dir
   }
 
 
@@ -141,6 +174,7 @@ def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   ap.add_argument('--processes', default='8,64,256,1024')
   ap.add_argument('--trees', default='120m,70b')
+  ap.add_argument('--tables', default='grid,rows', help='grid (version 2), rows (JSON rows)')
   args = ap.parse_args(argv)
   rows = []
   with tempfile.TemporaryDirectory(prefix='manifest-scale-', dir=os.environ.get('TMPDIR')) as tmp:
@@ -149,11 +183,12 @@ def main(argv=None) -> None:
     start = min(_inspect_s(base) for _ in range(3))  # the command's own start-up
     for tree in args.trees.split(','):
       for n in map(int, args.processes.split(',')):
-        row = measure(tree, n, root)
-        row['inspect_s'] = max(0.0, row['inspect_s'] - start)
-        del row['step_dir']
-        rows.append(row)
-        print_table(rows[-1:], COLUMNS)
+        for kind in args.tables.split(','):
+          row = measure(tree, n, root, kind)
+          row['inspect_s'] = max(0.0, row['inspect_s'] - start)
+          shutil.rmtree(row.pop('step_dir').parent)
+          rows.append(row)
+          print_table(rows[-1:], COLUMNS)
   print()
   print_table(rows, COLUMNS)
   path = write_results(

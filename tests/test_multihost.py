@@ -125,7 +125,7 @@ def test_four_processes_write_their_shards_once_and_restore_on_two_then_one(
   held = {f: load_file(step_dir(tmp_path, 1) / f) for f in files}
   assert all(held.values()), {f: list(t) for f, t in held.items()}
   # The shards are in shards.json, covered by the sealed manifest; no tensor row lists them.
-  from jaxckpt.checkpoint import shardtable
+  from jaxckpt.checkpoint import manifest, shardtable
   assert meta['format_version'] == 3 and meta['shard_table'] == 'shards.json'
   assert meta['files']['shards.json'] == shardtable.entry(
       (step_dir(tmp_path, 1) / 'shards.json').read_bytes())
@@ -146,6 +146,21 @@ def test_four_processes_write_their_shards_once_and_restore_on_two_then_one(
   assert 'state_files' not in meta and 'shards' not in meta['tensors'][0]
   assert meta['format_version'] == 1 and 'shards.json' not in meta['files']
   assert_same_bytes(load_file(step_dir(tmp_path, 3) / 'state/process_0.safetensors'), expected())
+  # A checkpoint from before the grid (manifest format 2, shards.json of JSON rows, each
+  # process's copied as posted) still reads, bytes as saved.
+  rows_dir = tmp_path / 'rows' / step_dir(tmp_path, 1).name
+  shutil.copytree(step_dir(tmp_path, 1), rows_dir)
+  parts = [[{'array': name, **row}
+            for name, rows in shards.items()
+            for row in rows
+            if row['file'] == f]
+           for f in files]
+  body = json.dumps({'format': 'jaxckpt.shards', 'parts': parts}).encode()
+  (rows_dir / 'shards.json').write_bytes(body)
+  old = {**json.loads((rows_dir / 'manifest.json').read_text()), 'format_version': 2}
+  old['files'] = {**old['files'], 'shards.json': shardtable.entry(body)}
+  (rows_dir / 'manifest.json').write_bytes(manifest.sealed_json(old))
+  assert_same_bytes(read_host_arrays(rows_dir), expected())
   # A shard table that is not the one the manifest seals is never used: no reader places bytes.
   table = step_dir(tmp_path, 1) / 'shards.json'
   body = bytearray(table.read_bytes())
