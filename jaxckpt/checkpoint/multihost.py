@@ -382,14 +382,20 @@ def fill(step_dir: Path, shards: shardtable.Table, boxes: Mapping[str, dict[Box,
 
 
 def _read_into(fd, offset, shard, local, box, buf, dtype, expect) -> None:
-  """Read the row-major byte range of `shard` that holds its part `local` and copy that part to
-  where it lies in `buf` (whose extent is `box`)."""
+  """Read the row-major byte range of `shard` that holds its part `local` into where that part
+  lies in `buf` (whose extent is `box`): straight there when the part is the whole shard and one
+  run of `buf` (a restore on the mesh that saved, a split of leading rows), else through a
+  buffer of the range."""
   shape = list(shard['shape'])
   strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
   first = sum(lo * st for (lo, _), st in zip(local, strides))
   last = sum((hi - 1) * st for (_, hi), st in zip(local, strides))
   count = last - first + 1
-  raw = np.empty(count * dtype.itemsize, np.uint8)
+  at = tuple(
+      slice(b0 + lo - a, b0 + hi - a) for (lo, hi), b0, (a, _) in zip(local, shard['start'], box))
+  dest = buf[at + (Ellipsis,)]  # a view, of a 0-d buffer too
+  direct = count == math.prod(shape) and dest.flags.c_contiguous
+  raw = dest.reshape(-1).view(np.uint8) if direct else np.empty(count * dtype.itemsize, np.uint8)
   if pread_into(fd, memoryview(raw), offset + first * dtype.itemsize) < len(raw):
     raise CheckpointError('E-CKPT-012', f'{shard["file"]}: {shard["tensor"]} ends early',
                           statefile.DAMAGED)
@@ -397,11 +403,9 @@ def _read_into(fd, offset, shard, local, box, buf, dtype, expect) -> None:
     raise CheckpointError(
         'E-CKPT-003', f'{shard["file"]}: {shard["tensor"]}: checksum '
         f'mismatch (manifest says {expect})', 'resume from an earlier checkpoint')
-  part = np.lib.stride_tricks.as_strided(
-      raw.view(dtype), [hi - lo for lo, hi in local], [st * dtype.itemsize for st in strides])
-  at = tuple(
-      slice(b0 + lo - a, b0 + hi - a) for (lo, hi), b0, (a, _) in zip(local, shard['start'], box))
-  buf[at] = part
+  if not direct:
+    dest[...] = np.lib.stride_tricks.as_strided(
+        raw.view(dtype), [hi - lo for lo, hi in local], [st * dtype.itemsize for st in strides])
 
 
 def restore(step_dir: Path, shards: shardtable.Table, want: Mapping[str, Any], *,
