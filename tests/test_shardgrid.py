@@ -102,23 +102,39 @@ def test_process_0_files_every_cell_and_a_reader_gets_the_rows_back(tmp_path):
 
 def test_records_that_miss_or_repeat_a_cell_commit_nothing():
   first, second = records()
-  head, _, _ = second.partition('\n')
-  for bad, why in (
-      ([first, head + '\n'], 'no times'),  # process 1 posted none of its cells
-      ([first, head + '\n' + first.partition('\n')[2]], 'more than once'),
-      ([first, head + '\n' + 'not base64!'], 'not base64'),
-      ([first, head + '\n' + base64.b64encode(b'abc').decode()], 'not whole cells'),
-      ([first,
-        head + '\n' + base64.b64encode(np.array([9, 0], '<u4').tobytes()).decode()], 'beyond'),
+  mine = first.partition('\n')[2]
+  cells = lambda *pairs: base64.b64encode(np.array(pairs, '<u4').tobytes()).decode()
+  for posts, why in (
+      ([mine, ''], 'no times'),  # process 1 posted none of its cells
+      ([mine, mine], 'more than once'),
+      ([mine, 'not base64!'], 'not base64'),
+      ([mine, base64.b64encode(b'abc').decode()], 'not whole cells'),
+      ([mine, cells(9, 0)], 'beyond'),
   ):
     with pytest.raises(CheckpointError) as e:
-      shardtable.merge_records(bad, expect=2, grid=GRID)
+      shardgrid.merge(GRID, posts)
     assert e.value.code == 'E-DIST-002' and why in e.value.what, why
+  head = json.loads(second.partition('\n')[0])
+  other = shardgrid.Grid([('b', [3], [1]), ('w', [4, 3], [2, 1]), ('step', [], [])])
   rows = shardtable.part_record('state/process_0.safetensors', {'size': 1, 'crc32': '0'},
                                 {'b': '00000000'}, {'b': {'array': 'b', 'start': [0]}}, {'b': (3,)})
-  with pytest.raises(CheckpointError) as e:  # a process on another layout than process 0's
-    shardtable.merge_records([first, rows], expect=2, grid=GRID)
-  assert e.value.code == 'E-DIST-002' and 'rows' in e.value.what
+  for bad in (
+      json.dumps({**head, 'cells': 1}) + '\n' + second.partition('\n')[2],  # says 1, posts 2
+      records(other)[1],  # the same cells, numbered in another leaf order
+      rows,  # JSON rows
+  ):
+    with pytest.raises(CheckpointError) as e:
+      shardtable.merge_records([first, bad], expect=2, grid=GRID)
+    assert e.value.code == 'E-DIST-002' and 'another grid' in e.value.what, bad
+
+
+def test_a_target_of_another_shape_finds_only_the_cells_the_array_has(tmp_path):
+  step_dir, meta = checkpoint(tmp_path)
+  got = shardtable.shard_table(step_dir, meta, None)
+  assert 'w' in got and 'x' not in got
+  assert [r['start'] for r in got.overlapping('w', ((0, 8), (0, 3)))] == [[0, 0], [2, 0]]
+  assert got.overlapping('w', ((4, 8), (0, 3))) == [] and got.overlapping('w', ((0, 4),)) == []
+  assert got.overlapping('b', ((0, 3), (0, 1))) == []
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,9 @@ in a fraction of a second, where a table of JSON rows was 500 MB that every proc
 checked row by row before its restore (37 s). A process then finds the cells its devices need by
 arithmetic, in time proportional to what it reads.
 
-Each process posts its cells (number, CRC-32) in binary to process 0, which files them into one
-array (every cell exactly once, or nothing is committed). A reader takes the table only at the
+Each process posts its cells (number, CRC-32) in binary to process 0, with their count and a
+CRC-32 of the grid it numbered them on; process 0 files them into one array, and commits nothing
+unless every process numbered on its grid and every cell is there exactly once. A reader takes the table only at the
 size and CRC-32 the sealed manifest gives it, and checks what it reads: every array is one of the
 manifest's with that many dimensions, every split is even, every file is a state file of the
 checkpoint, every process number names one of them, and there are exactly as many cells as the
@@ -38,6 +39,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from .checksum import crc32
 from .errors import CheckpointError
 
 VERSION = 2
@@ -106,8 +108,12 @@ class Grid:
     return base + index
 
   def cells(self, name: str, box: Box) -> Iterator[tuple[int, Box]]:
-    """(number, box) of each cell of `name` that overlaps `box` (none for an empty box)."""
+    """(number, box) of each cell of `name` that overlaps `box` (none for an empty box, or one
+    of another rank: a target of another shape finds only what the array has)."""
     base, shape, parts, chunks = self._at[name]
+    if len(box) != len(shape):
+      return
+    box = tuple((a, min(b, m)) for (a, b), m in zip(box, shape))
     if any(a >= b for a, b in box):
       return
     ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, chunks)]
@@ -120,9 +126,17 @@ class Grid:
   def to_json(self) -> list:
     return [[name, list(parts)] for name, _, parts in self.arrays]
 
+  def fingerprint(self) -> str:
+    """A CRC-32 of the grid: processes that number their cells alike post the same."""
+    return f'{crc32(json.dumps(self.to_json(), separators=(",", ":")).encode()):08x}'
+
 
 def post(grid: Grid, places: Mapping[str, Mapping[str, Any]], crcs: Mapping[str, str]) -> str:
   """A process's shards as it posts them: base64 of (cell number, CRC-32) per shard."""
+  if grid.total > _MAX_CELLS:  # every process finds the same, before any waits for another
+    raise CheckpointError(
+        'E-DIST-002', f'the state has {grid.total} shards, more than a shard table numbers '
+        f'({_MAX_CELLS})', 'nothing was written; save fewer or larger shards')
   rows = np.empty(len(places), _POST)
   rows['cell'] = [grid.cell(p['array'], p['start']) for p in places.values()]
   rows['crc32'] = [int(crcs[t], 16) for t in places]
@@ -137,8 +151,6 @@ def _refused(what: str) -> CheckpointError:
 def merge(grid: Grid, posts: Sequence[str]) -> np.ndarray:
   """Process 0: the table's (process, CRC-32) per cell from every process's `post`, in process
   order; E-DIST-002 unless they hold every cell of `grid` exactly once."""
-  if grid.total > _MAX_CELLS:
-    raise _refused(f'would number {grid.total} cells, more than a table holds ({_MAX_CELLS})')
   table = np.zeros(grid.total, _CELL)
   numbers = []
   for k, text in enumerate(posts):
@@ -218,6 +230,9 @@ class Table(abc.Mapping):
           'start': [a for a, _ in cell], 'shape': [b - a for a, b in cell], 'crc32': f'{crc:08x}'
       })
     return out
+
+  def __contains__(self, array: object) -> bool:  # not Mapping's: that builds every row
+    return array in self.grid
 
   def __getitem__(self, array: str) -> list[dict]:
     if array not in self.grid:

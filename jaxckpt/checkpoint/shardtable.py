@@ -52,7 +52,7 @@ def part_record(rel: str,
   cells of `grid` it wrote (`shardgrid.post`), or without one their JSON rows."""
   head = {'file': rel, 'size': written['size'], 'crc32': written['crc32']}
   if grid is not None:
-    head['cells'] = len(places)
+    head['cells'], head['grid'] = len(places), grid.fingerprint()
     return json.dumps(head, separators=(',', ':')) + '\n' + shardgrid.post(grid, places, crcs)
   shards = [{
       'array': p['array'], 'file': rel, 'tensor': t, 'start': p['start'], 'shape': list(shapes[t]),
@@ -81,20 +81,21 @@ def merge_records(records: list[str],
     raise CheckpointError('E-DIST-002',
                           f'the key-value store gave {len(records)} of {expect} part records',
                           'nothing was committed; the next save tries again')
-  files, parts = {}, []
+  files, names, parts = {}, [], []
+  want = None if grid is None else grid.fingerprint()
   for record in records:
     head, _, shards = record.partition('\n')
     head = json.loads(head)
-    if ('cells' in head) != (grid is not None):
+    if head.get('grid') != want or (want and len(shards) != -(-8 * head['cells'] // 3) * 4):
       raise CheckpointError(
-          'E-DIST-002', f'the part record of {head["file"]} is '
-          f'{"a grid" if "cells" in head else "rows"}, process 0 wrote '
-          f'{"a grid" if grid is not None else "rows"}', 'nothing was committed; every process '
-          'must run the same jaxckpt on the same shardings')
+          'E-DIST-002', f'the part record of {head["file"]} numbers its shards on another '
+          'grid than process 0, or not as many as it says', 'nothing was committed; every '
+          'process must run the same jaxckpt on the same state and shardings')
     files[head['file']] = {'size': head['size'], 'crc32': head['crc32']}
+    names.append(head['file'])
     parts.append(shards)
   if grid is not None:
-    return files, GridParts(grid, list(files), shardgrid.merge(grid, parts))
+    return files, GridParts(grid, names, shardgrid.merge(grid, parts))
   return files, parts
 
 
