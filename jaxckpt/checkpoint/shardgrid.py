@@ -37,15 +37,16 @@ import math
 from collections import abc
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-import numpy as np
-
 from .checksum import crc32
 from .errors import CheckpointError
 
 VERSION = 2
 Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in the global shape
-_CELL = np.dtype([('process', '<u4'), ('crc32', '<u4')])  # the table's, per cell
-_POST = np.dtype([('cell', '<u4'), ('crc32', '<u4')])  # a process's post, per shard it wrote
+# numpy is imported where cells are handled, not here: `latest` and `inspect` import this module
+# (through the manifest) and stay free of numpy's import.
+_CELL = [('process', '<u4'), ('crc32', '<u4')]  # the table's, per cell
+_POST = [('cell', '<u4'), ('crc32', '<u4')]  # a process's post, per shard it wrote
+_ITEM = 8  # bytes of either
 _MAX_CELLS = 2**32 - 1
 
 
@@ -137,6 +138,7 @@ def post(grid: Grid, places: Mapping[str, Mapping[str, Any]], crcs: Mapping[str,
     raise CheckpointError(
         'E-DIST-002', f'the state has {grid.total} shards, more than a shard table numbers '
         f'({_MAX_CELLS})', 'nothing was written; save fewer or larger shards')
+  import numpy as np  # pylint: disable=import-outside-toplevel
   rows = np.empty(len(places), _POST)
   rows['cell'] = [grid.cell(p['array'], p['start']) for p in places.values()]
   rows['crc32'] = [int(crcs[t], 16) for t in places]
@@ -148,9 +150,10 @@ def _refused(what: str) -> CheckpointError:
                          'nothing was committed; the next save tries again')
 
 
-def merge(grid: Grid, posts: Sequence[str]) -> np.ndarray:
+def merge(grid: Grid, posts: Sequence[str]) -> Any:
   """Process 0: the table's (process, CRC-32) per cell from every process's `post`, in process
   order; E-DIST-002 unless they hold every cell of `grid` exactly once."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
   table = np.zeros(grid.total, _CELL)
   numbers = []
   for k, text in enumerate(posts):
@@ -158,7 +161,7 @@ def merge(grid: Grid, posts: Sequence[str]) -> np.ndarray:
       raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as e:
       raise _refused(f'of process {k}: not base64 ({e})') from e
-    if len(raw) % _POST.itemsize:
+    if len(raw) % _ITEM:
       raise _refused(f'of process {k}: {len(raw)} bytes, not whole cells')
     rows = np.frombuffer(raw, _POST)
     if rows.size and int(rows['cell'].max()) >= grid.total:
@@ -173,7 +176,7 @@ def merge(grid: Grid, posts: Sequence[str]) -> np.ndarray:
   return table
 
 
-def table_bytes(grid: Grid, files: Sequence[str], cells: np.ndarray) -> bytes:
+def table_bytes(grid: Grid, files: Sequence[str], cells: Any) -> bytes:
   """The bytes of a version-2 `shards.json` (the same on every process that writes it)."""
   head = json.dumps(
       {
@@ -209,9 +212,10 @@ class Table(abc.Mapping):
       raw = base64.b64decode(table.get('cells'), validate=True)
     except (binascii.Error, ValueError, TypeError) as e:
       raise damaged(f'cells that are not base64 ({e})') from e
-    if len(raw) != self.grid.total * _CELL.itemsize:
+    if len(raw) != self.grid.total * _ITEM:
       raise damaged(f'{len(raw)} bytes of cells; its grid has {self.grid.total} cells of '
-                    f'{_CELL.itemsize} bytes')
+                    f'{_ITEM} bytes')
+    import numpy as np  # pylint: disable=import-outside-toplevel
     self.cells = np.frombuffer(raw, _CELL)
     if self.cells.size and int(self.cells['process'].max()) >= len(files):
       raise damaged(f'a cell of a process beyond the {len(files)} files')
