@@ -8,8 +8,8 @@ by one of the processes that hold it: every process computes the same assignment
 shardings alone, largest shards first, each to its least loaded holder, so replicated arrays are
 spread over the processes instead of all landing on process 0. A tensor in a process's file is
 named after its array, with its place when it is a part of it (`params/wte/embedding[0:128,0:64]`);
-the file's `__metadata__` (`shard/<tensor>`) and the checkpoint's shard table (`shardtable`) record the
-array, the start in the global shape and the CRC-32 of each.
+the file's `__metadata__` (`shard/<tensor>`) and the checkpoint's shard table (`shardtable`)
+record the array, the start in the global shape and the CRC-32 of each.
 
 A save: every process writes its file in the same temporary directory (named after the step, so
 all agree on it) and fsyncs it, posts what it wrote to the `jax.distributed` key-value store and

@@ -20,11 +20,11 @@ arithmetic, in time proportional to what it reads.
 
 Each process posts its cells (number, CRC-32) in binary to process 0, with their count and a
 CRC-32 of the grid it numbered them on; process 0 files them into one array, and commits nothing
-unless every process numbered on its grid and every cell is there exactly once. A reader takes the table only at the
-size and CRC-32 the sealed manifest gives it, and checks what it reads: every array is one of the
-manifest's with that many dimensions, every split is even, every file is a state file of the
-checkpoint, every process number names one of them, and there are exactly as many cells as the
-grid has.
+unless every process numbered on its grid and every cell is there exactly once. A reader takes
+the table only at the size and CRC-32 the sealed manifest gives it, and checks what it reads:
+every array is one of the manifest's with that many dimensions, every split is even, every file
+is a state file of the checkpoint, every process number names one of them, and there are exactly
+as many cells as the grid has.
 """
 
 from __future__ import annotations
@@ -81,6 +81,14 @@ def parts_of(boxes: Iterable[Box], shape: Sequence[int]) -> list[int] | None:
   return parts if len(boxes) == math.prod(parts) else None
 
 
+def _row_major(ks: Sequence[int], parts: Sequence[int]) -> int:
+  """The number of the cell at grid index `ks` among `parts` per dimension, row-major."""
+  index = 0
+  for k, n in zip(ks, parts):
+    index = index * n + k
+  return index
+
+
 class Grid:
   """Every array's cells: the arrays in order, each split evenly into `parts` per dimension,
   the cells numbered array after array, row-major within one."""
@@ -103,10 +111,7 @@ class Grid:
   def cell(self, name: str, start: Sequence[int]) -> int:
     """The number of the cell of `name` that starts at `start`."""
     base, _, parts, chunks = self._at[name]
-    index = 0
-    for a, n, c in zip(start, parts, chunks):
-      index = index * n + (a // c if c else 0)
-    return base + index
+    return base + _row_major([a // c if c else 0 for a, c in zip(start, chunks)], parts)
 
   def cells(self, name: str, box: Box) -> Iterator[tuple[int, Box]]:
     """(number, box) of each cell of `name` that overlaps `box` (none for an empty box, or one
@@ -119,10 +124,8 @@ class Grid:
       return
     ranges = [range(a // c, -(-b // c)) for (a, b), c in zip(box, chunks)]
     for ks in itertools.product(*ranges):
-      index = 0
-      for k, n in zip(ks, parts):
-        index = index * n + k
-      yield base + index, tuple((k * c, min((k + 1) * c, m)) for k, c, m in zip(ks, chunks, shape))
+      yield base + _row_major(ks, parts), tuple(
+          (k * c, min((k + 1) * c, m)) for k, c, m in zip(ks, chunks, shape))
 
   def to_json(self) -> list:
     return [[name, list(parts)] for name, _, parts in self.arrays]
