@@ -392,9 +392,13 @@ def finish_processes(procs: list[subprocess.Popen], timeout: float = 240) -> lis
   return out
 
 
-def start_trainers(cache: Path, workdir, count: int, *flags: str) -> list[subprocess.Popen]:
+def start_trainers(cache: Path,
+                   workdir,
+                   count: int,
+                   *flags: str,
+                   env: dict | None = None) -> list[subprocess.Popen]:
   """`count` processes of one `python -m jaxckpt.main` job on the tiny config; `workdir` may
-  name each process's own ('DIR/host{k}')."""
+  name each process's own ('DIR/host{k}'); `env` is added to their environment."""
   return start_processes(
       lambda k, coordinator: [
           sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}',
@@ -402,7 +406,8 @@ def start_trainers(cache: Path, workdir, count: int, *flags: str) -> list[subpro
           f'--num_processes={count}', f'--process_id={k}'
       ],
       count,
-      cache=cache)
+      cache=cache,
+      env=env)
 
 
 def train_all(cache: Path, workdir, count: int, *flags: str, timeout: float = 240):

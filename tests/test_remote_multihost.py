@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (TWO_PROCESS_FLAGS, assert_same_bytes, committed_steps, events_of,
+from conftest import (REPO, TWO_PROCESS_FLAGS, assert_same_bytes, committed_steps, events_of,
                       finish_processes, losses, remote_steps, start_trainers, train_all, wait_for)
 
 from jaxckpt.checkpoint.formats import read_host_arrays
@@ -127,6 +127,31 @@ def test_each_host_own_disk_without_remote_is_refused(tmp_path, compile_cache):
     assert code == 2 and 'E-DIST-007' in out and 'add --remote=URL' in out, (k, out[-3000:])
     assert 'Traceback' not in out
   assert not list(tmp_path.rglob('step_*'))
+
+
+# On PYTHONPATH as `sitecustomize`: process 1's os._exit takes 2 s, as on a loaded machine.
+_SLOW_EXIT = """import os, sys, time
+if '--process_id=1' in sys.argv:
+  _exit = os._exit
+  os._exit = lambda code: (time.sleep(2), _exit(code))
+"""
+
+
+def test_a_job_refused_at_start_ends_with_exit_2_however_slowly_its_processes_exit(
+    tmp_path, compile_cache):
+  # Process 0 holds the coordinator: a process still connected when it exits aborts (exit 134,
+  # a C++ stack), so every process disconnects, together, before any exits.
+  (tmp_path / 'site').mkdir()
+  (tmp_path / 'site' / 'sitecustomize.py').write_text(_SLOW_EXIT)
+  procs = start_trainers(
+      compile_cache,
+      tmp_path / 'host{k}',
+      2,
+      *FLAGS,
+      env={'PYTHONPATH': f'{tmp_path / "site"}:{REPO}'})
+  for k, (code, out) in enumerate(finish_processes(procs, timeout=120)):
+    assert code == 2 and 'E-DIST-007' in out, (k, code, out[-3000:])
+    assert 'Check failure' not in out and 'Fatal Python error' not in out, out[-3000:]
 
 
 def test_a_lost_lease_stops_every_process_writing_to_the_prefix(tmp_path, compile_cache, s3_server):

@@ -181,23 +181,32 @@ def _check_port_free(address: str) -> None:
 
 
 def leave(cluster, prefix: str, code: int) -> None:
-  """Exit `code` now, without JAX's shutdown: a job that a process left in failure at start has
-  no orderly end (JAX's shutdown barrier, or its polling of a coordinator that is gone, aborts
-  the process with a C++ stack). Process 0, the coordinator, waits (30 s at most: a loaded
-  machine can take seconds to unwind) for the others to leave first: each says so under
-  `prefix`."""
+  """Exit `code` once every process of a job that failed at start is leaving too. Each says so
+  under `prefix` and waits (30 s at most: a loaded machine can take seconds to unwind) for the
+  others; then all take JAX's own shutdown together, whose barrier passes at once and which
+  disconnects each from the coordinator before process 0 (where it lives) goes. Without that,
+  a process still connected when process 0 exits aborts with a C++ stack (exit 134). Where one
+  never says so, JAX's shutdown would wait for it: this process exits without it."""
+  together = False
   try:
     client = cluster.client()
     client.key_value_set(f'{prefix}/{cluster.index}', 'gone', allow_overwrite=True)
     deadline = time.monotonic() + 30.0
-    for k in range(1, cluster.count) if cluster.index == 0 else ():
+    for k in range(cluster.count):
       client.blocking_key_value_get(f'{prefix}/{k}',
                                     int(max(1, 1000 * (deadline - time.monotonic()))))
+    together = True
   except Exception:  # pylint: disable=broad-except  # gone, or not leaving: exit anyway
     pass
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()
+  if together:
+    import jax  # pylint: disable=import-outside-toplevel  # joined: imported already
+    try:
+      jax.distributed.shutdown()
+    except Exception:  # pylint: disable=broad-except  # the coordinator went first: exit anyway
+      pass
   os._exit(code)  # pylint: disable=protected-access
 
 
