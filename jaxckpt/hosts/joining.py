@@ -180,18 +180,21 @@ def _check_port_free(address: str) -> None:
           'start one process per --process_id; or give the job a free port') from None
 
 
+LEAVE_SECS = 30.0  # each wait of `leave`: for the others to say so, then JAX's shutdown
+
+
 def leave(cluster, prefix: str, code: int) -> None:
   """Exit `code` once every process of a job that failed at start is leaving too. Each says so
-  under `prefix` and waits (30 s at most: a loaded machine can take seconds to unwind) for the
-  others; then all take JAX's own shutdown together, whose barrier passes at once and which
-  disconnects each from the coordinator before process 0 (where it lives) goes. Without that,
-  a process still connected when process 0 exits aborts with a C++ stack (exit 134). Where one
-  never says so, JAX's shutdown would wait for it: this process exits without it."""
+  under `prefix` and waits (LEAVE_SECS at most: a loaded machine can take seconds to unwind)
+  for the others; then all take JAX's own shutdown together, whose barrier passes at once and
+  which disconnects each from the coordinator before process 0 (where it lives) goes. Without
+  that, a process still connected when process 0 exits aborts with a C++ stack (exit 134).
+  Where one never says so, JAX's shutdown would wait for it: this process exits without it."""
   together = False
   try:
     client = cluster.client()
     client.key_value_set(f'{prefix}/{cluster.index}', 'gone', allow_overwrite=True)
-    deadline = time.monotonic() + 30.0
+    deadline = time.monotonic() + LEAVE_SECS
     for k in range(cluster.count):
       client.blocking_key_value_get(f'{prefix}/{k}',
                                     int(max(1, 1000 * (deadline - time.monotonic()))))
@@ -201,13 +204,25 @@ def leave(cluster, prefix: str, code: int) -> None:
   logging.flush()
   sys.stdout.flush()
   sys.stderr.flush()
-  if together:
-    import jax  # pylint: disable=import-outside-toplevel  # joined: imported already
-    try:
-      jax.distributed.shutdown()
-    except Exception:  # pylint: disable=broad-except  # the coordinator went first: exit anyway
-      pass
+  if together:  # bounded: a process that died since it said so would hold the barrier
+    shutdown = threading.Thread(target=_jax_shutdown, name='jaxckpt-leave', daemon=True)
+    shutdown.start()
+    shutdown.join(LEAVE_SECS)
+    if shutdown.is_alive():
+      print(
+          f"jaxckpt: JAX's shutdown barrier did not pass within {LEAVE_SECS:g} s (a process "
+          'of this job died as it left): exiting without it',
+          file=sys.stderr,
+          flush=True)
   os._exit(code)  # pylint: disable=protected-access
+
+
+def _jax_shutdown() -> None:
+  import jax  # pylint: disable=import-outside-toplevel  # joined: imported already
+  try:
+    jax.distributed.shutdown()
+  except Exception:  # pylint: disable=broad-except  # the coordinator went first: exit anyway
+    pass
 
 
 def _exit(line: str, code: int) -> None:
