@@ -20,14 +20,19 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str)
   jax.config.update('jax_num_cpu_devices', 1)
   from jaxckpt.checkpoint import traffic
   counted = traffic.count_traffic()
+  import os
+  import time
+
   from jaxckpt.hosts import distributed
+
+  # Process 1's records of a lost process take 2 s to write (a loaded machine, a slow disk):
+  # process 0, the coordinator, must not exit first, or JAX aborts process 1 (-6), not exit 1.
+  slow = (lambda line: time.sleep(2)) if cmd == 'vanish' and process == 1 else None
   distributed.initialize(
-      coordinator, count, process, heartbeat_timeout_seconds=2.0, timeout_secs=120.0)
+      coordinator, count, process, heartbeat_timeout_seconds=2.0, timeout_secs=120.0, on_lost=slow)
   if cmd == 'vanish':  # process 2 ends without a word: the others name it, told by process 0
     if process == 2:
-      import os
       os._exit(0)
-    import time
     time.sleep(120)  # the watchdog ends this process first
     return
   from jax.sharding import Mesh, NamedSharding

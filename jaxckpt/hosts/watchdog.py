@@ -3,7 +3,9 @@
 Each process posts a sign of life every round (`Watchdog.period`); process 0 alone reads them
 all and, when one failed, failed at start or fell silent for `heartbeat_secs`, posts one
 verdict that every other process reads (two small keys a round each: process 0's own sign and
-the verdict). Process 0 stays until the others had time to read it: the coordinator lives there.
+the verdict). The coordinator lives in process 0, and a process still connected when it goes is
+aborted by JAX: so each other process says it exits just before it does, and process 0 stays
+until every one not lost has said so (`EXIT_SECS` at most).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ _peer_stopped: list[str] = []  # the E-DIST-009 line of a process that failed at
 _records: list[Any] = []  # the run log a lost process is recorded in
 
 _VERDICT = f'{_PREFIX}/verdict'  # process 0's word: who failed at start, failed or was lost
+_EXITING = f'{_PREFIX}/exiting/'  # a process's last word after a verdict, just before its exit
+EXIT_SECS = 10.0  # how long process 0 waits for the others' last words before it exits
 
 
 def _try_get(client, key: str) -> str | None:
@@ -145,9 +149,8 @@ class Watchdog(threading.Thread):
             'committed; start every process again with the same command to resume from the last '
             'checkpoint')
     self.lost.set()
-    stay = 0.0
     try:
-      stay = self._tell({'lost': lost, 'why': why})
+      self._tell({'lost': lost, 'why': why})
       for log in _records:  # process 0's records say why the run stopped
         log.event('failed', error=line, lost_process=why != 'it failed')  # silent: an interruption
         log.status(state='failed', error=line)
@@ -155,5 +158,28 @@ class Watchdog(threading.Thread):
         self.on_lost(line)
     finally:
       print(f'jaxckpt: {line}', file=sys.stderr, flush=True)
-      time.sleep(max(0.0, stay - time.monotonic()))
-      os._exit(1)  # pylint: disable=protected-access  # the main thread may be stuck for good
+      self._exit(1, set(range(self.cluster.count)) - set(lost))
+
+  def _exit(self, code: int, living: set[int]) -> None:
+    """os._exit(code) (the main thread may be stuck for good), once the coordinator may go: a
+    process other than 0 says it exits, then exits; process 0 waits (`EXIT_SECS` at most) until
+    every other process in `living` has said so, then exits, naming any that did not."""
+    me, client = self.cluster.index, self.cluster.client()
+    waiting = set(living) - {me}
+    try:
+      if me != 0:
+        client.key_value_set(f'{_EXITING}{me}', str(code), allow_overwrite=True)
+      deadline = time.monotonic() + EXIT_SECS
+      while me == 0 and waiting and time.monotonic() < deadline:
+        said = dict(client.key_value_dir_get(_EXITING))
+        waiting -= {k for k in waiting if f'{_EXITING}{k}' in said}
+        time.sleep(0.05)
+      if me == 0 and waiting:
+        print(
+            f'jaxckpt: process(es) {sorted(waiting)} did not say they were exiting within '
+            f'{EXIT_SECS:g} s: process 0 (the coordinator) exits anyway',
+            file=sys.stderr,
+            flush=True)
+    except Exception:  # pylint: disable=broad-except  # the coordinator is gone: nothing to wait for
+      pass
+    os._exit(code)  # pylint: disable=protected-access
