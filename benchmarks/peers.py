@@ -20,7 +20,7 @@ replacement VM):
 
 2. peer (`--replicas=1`): every process runs `peers.restore_dir(..., remote=None)`: host1's step
    directory is brought back from the peers (`sends`: rounds of `jax.lax.ppermute` in a
-   shard_map, 32 MiB windows, disk reads and writes overlapped with the collective), then
+   shard_map, `sends.WINDOW` windows, disk reads and writes overlapped with the collective), then
    `CheckpointManager.restore` and `jax.block_until_ready`.
 3. remote, the lost host's part (`--replicas=0`, what a job without replicas does now): the
    replicas are moved aside on every host, so each holds only its own part, and every process

@@ -64,7 +64,8 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   if rest:  # the remote tier: its newest intact checkpoint, `rest[1]`
     from jaxckpt.checkpoint.remote import Store, partial
     remote = partial.peer_source(Store(rest[0]), int(rest[1]), inspect=process == 0)
-  from jaxckpt.checkpoint import CheckpointError
+  from jaxckpt.checkpoint import CheckpointError, sends
+  sends.WINDOW = 256  # each part in several windows, the last one short: a real part's path
   try:
     got = peers.restore_dir(directory, target, multihost.Group(60), remote)
   except CheckpointError as e:
