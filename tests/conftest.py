@@ -25,10 +25,35 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / 'configs' / 'tiny.py')
 TWO_SOURCES = str(REPO / 'tests' / 'configs' / 'two_sources.py')
 
+# The files whose tests share a session-scoped run (STRAIGHT_*, TWO_PROCESS_FLAGS below) are run by
+# one pytest-xdist worker, so that run is made once; every other file is a group of its own.
+_GROUPS = {
+    'test_resume': 'straight-runs',
+    'test_elastic': 'straight-runs',
+    'test_multihost_trainer': 'two-processes',
+    'test_remote_multihost': 'two-processes',
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups (`--dist loadgroup`)
+def pytest_collection_modifyitems(config, items):
+  """Each test in its file's xdist group: a file's tests run in one worker, in order, and its
+  module-scoped fixtures run once."""
+  for item in items:
+    if item.get_closest_marker('xdist_group') is None:
+      item.add_marker(pytest.mark.xdist_group(_GROUPS.get(item.path.stem, item.path.stem)))
+
 
 @pytest.fixture(scope='session')
 def compile_cache(tmp_path_factory) -> Path:
-  return tmp_path_factory.mktemp('jax-cache')
+  """The JAX compilation cache of the whole run, shared by the xdist workers (the processes of a
+  multi-process test share it the same way)."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    root = root.parent  # the run's directory, above the worker's own
+  path = root / 'jax-cache'
+  path.mkdir(exist_ok=True)
+  return path
 
 
 def subprocess_env(cache: Path, devices: int = 1, **extra: str) -> dict[str, str]:
