@@ -26,6 +26,7 @@ _records: list[Any] = []  # the run log a lost process is recorded in
 _VERDICT = f'{_PREFIX}/verdict'  # process 0's word: who failed at start, failed or was lost
 _EXITING = f'{_PREFIX}/exiting/'  # a process's last word after a verdict, just before its exit
 EXIT_SECS = 10.0  # how long process 0 waits for the others' last words before it exits
+EXIT_GRACE = 0.25  # and then, for the last one to go from its word to its exit
 
 
 def _try_get(client, key: str) -> str | None:
@@ -164,14 +165,17 @@ class Watchdog(threading.Thread):
     """os._exit(code) (the main thread may be stuck for good), once the coordinator may go: a
     process other than 0 says it exits, then exits; process 0 waits (`EXIT_SECS` at most) until
     every other process in `living` has said so, then exits, naming any that did not."""
-    me, client = self.cluster.index, self.cluster.client()
-    waiting = set(living) - {me}
+    me, waiting = self.cluster.index, set(living) - {self.cluster.index}
     try:
-      if me != 0:
+      client = self.cluster.client()
+      if me != 0 and 0 in living:  # a lost coordinator is not told: the call could hang
         client.key_value_set(f'{_EXITING}{me}', str(code), allow_overwrite=True)
       deadline = time.monotonic() + EXIT_SECS
       while me == 0 and waiting and time.monotonic() < deadline:
-        said = dict(client.key_value_dir_get(_EXITING))
+        try:
+          said = dict(client.key_value_dir_get(_EXITING))
+        except Exception:  # pylint: disable=broad-except  # asked again until the deadline
+          said = {}
         waiting -= {k for k in waiting if f'{_EXITING}{k}' in said}
         time.sleep(0.05)
       if me == 0 and waiting:
@@ -180,6 +184,9 @@ class Watchdog(threading.Thread):
             f'{EXIT_SECS:g} s: process 0 (the coordinator) exits anyway',
             file=sys.stderr,
             flush=True)
-    except Exception:  # pylint: disable=broad-except  # the coordinator is gone: nothing to wait for
+      elif me == 0 and len(living) > 1:
+        time.sleep(EXIT_GRACE)  # the last word is said just before its process exits
+    except Exception:  # pylint: disable=broad-except  # the coordinator is gone: no one to tell
       pass
-    os._exit(code)  # pylint: disable=protected-access
+    finally:
+      os._exit(code)  # pylint: disable=protected-access
