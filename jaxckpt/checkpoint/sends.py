@@ -95,7 +95,9 @@ def _permute(perm: tuple[tuple[int, int], ...]):
 
 
 def _move(perm, buf: np.ndarray) -> np.ndarray:
-  """One window: this process's `buf` to the process `perm` sends it to; what it receives."""
+  """One window: this process's `buf` to the process `perm` sends it to; what it receives. It
+  returns once what it received is on the host (`np.asarray` waits for the collective), so the
+  runtime is done with `buf`, which `device_put` may alias on CPU: `_round` refills it then."""
   import jax  # pylint: disable=import-outside-toplevel
   mesh, sharding, mine = _mesh()
   local = jax.device_put(buf, mine)
