@@ -60,13 +60,17 @@ def carry(pairs: list[Pair], files: Mapping[str, Mapping[str, Any]], me: int,
   fails goes on taking part in every window of every round (sending zeros), so that no other
   process is left waiting in a collective; the caller says the problem to all."""
   received, problem = 0, None
+  # Two read buffers for the whole carry, faulted in once: the reader fills one while the other
+  # is in the collective (`_move` returns once the runtime is done with it).
+  bufs = [aligned_empty((WINDOW,), np.uint8) for _ in range(2)] if any(
+      src == me for _, src, _ in pairs) else []
   for round_ in rounds(pairs):
     out = [rel for rel, src, _ in round_ if src == me]
     into = [rel for rel, _, dst in round_ if dst == me]
     size = max(files[rel]['size'] for rel, _, _ in round_)
     perm = tuple(sorted((src, dst) for _, src, dst in round_))
     failed = _round(perm, size, (path_of(out[0]), files[out[0]]['size']) if out else None,
-                    (path_of(into[0]), files[into[0]]) if into else None)
+                    (path_of(into[0]), files[into[0]]) if into else None, bufs)
     problem = problem or failed
     received += files[into[0]]['size'] if into and not failed else 0
   return received, problem
@@ -106,23 +110,22 @@ def _move(perm, buf: np.ndarray) -> np.ndarray:
 
 
 def _round(perm, size: int, source: tuple[Path, int] | None,
-           into: tuple[Path, Mapping[str, Any]] | None) -> str | None:
+           into: tuple[Path, Mapping[str, Any]] | None, bufs: list[np.ndarray]) -> str | None:
   """One round's windows: this process sends `source` (path, size), receives `into` (path,
-  manifest entry), either, both or neither; `size` is the round's largest file. Returns this
-  process's problem (None: what it received is in place, checked); it never leaves early."""
+  manifest entry), either, both or neither; `size` is the round's largest file; `bufs`: the
+  carry's two read buffers. Returns this process's problem (None: what it received is in
+  place, checked); it never leaves early."""
   count = -(-size // WINDOW)
   zeros = np.zeros(WINDOW, np.uint8)
-  # Two read buffers, faulted in once: the reader fills one while the other is in the
-  # collective (`_move` returns once the runtime is done with it).
-  bufs = [aligned_empty((WINDOW,), np.uint8) for _ in range(2)] if source is not None else []
   tmp = None if into is None else into[0].with_name(into[0].name + layout.PEER_TMP)
   crc, wrote, problems = [0], [0], []
   fin = fout = None
 
   def read(i: int) -> np.ndarray:
-    buf = bufs[i % 2]
-    want = max(0, min(WINDOW, source[1] - i * WINDOW))
-    if want and fin.readinto(memoryview(buf)[:want]) != want:
+    buf, want = bufs[i % 2], max(0, min(WINDOW, source[1] - i * WINDOW))
+    if not want:  # past this file's end, the round's larger file still moving
+      return zeros
+    if fin.readinto(memoryview(buf)[:want]) != want:
       raise CheckpointError('E-CKPT-012', f'{source[0]} ends early', 'restart the job')
     buf[want:] = 0  # the last window's tail: zeros, not the window before's bytes
     return buf
