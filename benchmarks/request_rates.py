@@ -14,7 +14,10 @@ PARALLEL parts in flight, settled oldest first; a part answered 503 is resent by
 uploading thread when it is the oldest, after `Retries` (1 s doubling to 30 s, jittered x1-1.5),
 for up to `slow_secs` (120 s) before its upload fails (E-STORE-015). `ramp` rows add what the
 uploader does not do today: a window per host that starts at 1 part in flight, doubles after a
-window's worth of parts without a 503 and halves on one (at most PARALLEL).
+window's worth of parts without a 503 and halves on one (at most PARALLEL). `paced` rows are
+what the uploader does (`pacing`, `--remote_rate=auto`): each host sends its requests, resends
+included, evenly spaced at its share of the store's documented limit x SHARE (limit x 0.9 /
+hosts a second), from a random phase.
 
 A part of PART_BYTES takes `PART_BYTES / stream_mbps` plus 30 ms to send; a 503 comes back in
 20 ms. Every part is its own object, written once when accepted: no object name is written
@@ -30,7 +33,7 @@ from collections import Counter, deque
 
 from benchmarks.common import print_table, write_results
 from jaxckpt.checkpoint.remote.objects import PARALLEL, PART_BYTES
-from jaxckpt.checkpoint.remote.store import Retries
+from jaxckpt.checkpoint.remote.pacing import SHARE, Retries
 
 LIMITS = {  # requests accepted per second at time t (seconds since the burst began)
     's3_put': lambda t: 3500,
@@ -56,14 +59,17 @@ class Store:
     return False
 
 
-def host(store: Store, parts: int, part_secs: float, policy: Retries, rng: random.Random,
-         ramp: bool, stats: dict):
+def host(store: Store, parts: int, part_secs: float, policy: Retries, rng: random.Random, mode: str,
+         pace: float, stats: dict):
   """One uploader thread as a generator: yields the times it waits until."""
   now = yield
+  ramp = mode == 'ramp'
   window = 1 if ramp else PARALLEL
   clean = 0  # parts settled since the window last changed, with no 503
   pending: deque = deque()  # [first sent, its answer's time, accepted]
   todo = parts
+  spacing = 1.0 / pace
+  slot = now + (rng.uniform(0.0, spacing) if mode == 'paced' else 0.0)  # `pacing.Rate`
 
   def send(t):
     ok = store.send(t)
@@ -71,6 +77,10 @@ def host(store: Store, parts: int, part_secs: float, policy: Retries, rng: rando
 
   while todo or pending:
     while todo and len(pending) < window:
+      if mode == 'paced':  # the request waits for its slot (the thread sends nothing meanwhile)
+        if slot > now:
+          now = yield slot
+        slot = max(now, slot) + spacing
       pending.append([now, *send(now)])
       todo -= 1
     head = pending[0]
@@ -83,6 +93,10 @@ def host(store: Store, parts: int, part_secs: float, policy: Retries, rng: rando
         head[0] = now
         tries = 0
       now = yield now + wait
+      if mode == 'paced':
+        if slot > now:
+          now = yield slot
+        slot = max(now, slot) + spacing
       head[1], head[2] = send(now)
       tries += 1
       stats['max_tries'] = max(stats['max_tries'], tries)
@@ -97,7 +111,7 @@ def host(store: Store, parts: int, part_secs: float, policy: Retries, rng: rando
   stats['done'] = max(stats['done'], now)
 
 
-def simulate(kind: str, hosts: int, total_bytes: int, stream_mbps: float, ramp: bool,
+def simulate(kind: str, hosts: int, total_bytes: int, stream_mbps: float, mode: str,
              seed: int) -> dict:
   rng = random.Random(seed)
   store = Store(LIMITS[kind])
@@ -106,7 +120,8 @@ def simulate(kind: str, hosts: int, total_bytes: int, stream_mbps: float, ramp: 
   stats = {'failed': 0, 'max_tries': 1, 'done': 0.0}
   events = []
   for h in range(hosts):
-    g = host(store, per_host, part_secs, Retries(), random.Random(rng.random()), ramp, stats)
+    g = host(store, per_host, part_secs, Retries(), random.Random(rng.random()), mode,
+             LIMITS[kind](0) * SHARE / hosts, stats)
     next(g)
     heapq.heappush(events, (rng.uniform(0, 0.1), h, g))  # hosts start within 100 ms
   while events:
@@ -119,7 +134,8 @@ def simulate(kind: str, hosts: int, total_bytes: int, stream_mbps: float, ramp: 
   limit = LIMITS[kind]
   return {
       'store': kind,
-      'mode': 'ramp 1..8' if ramp else f'{PARALLEL} in flight',
+      'mode': {'ramp': 'ramp 1..8',
+               'paced': f'paced, {SHARE:g} x limit / hosts'}.get(mode, f'{PARALLEL} in flight'),
       'hosts': hosts,
       'requests': sum(store.accepted.values()),
       'rejected_503': store.rejected,
@@ -144,9 +160,9 @@ def main() -> None:
   args = ap.parse_args()
   total = int(args.tb * 1e12)
   rows = [
-      simulate(kind, args.hosts, total, args.stream_mbps, ramp, args.seed)
+      simulate(kind, args.hosts, total, args.stream_mbps, mode, args.seed)
       for kind in ('s3_put', 's3_get', 'gcs_write')
-      for ramp in (False, True)
+      for mode in ('burst', 'ramp', 'paced')
   ]
   # GCS's ramp: the sustained rate that would take every host's parts unthrottled.
   unthrottled = rows[0]['offered_per_s']

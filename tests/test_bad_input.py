@@ -29,6 +29,7 @@ CASES = [
     ('bad checkpoint mode', ['--checkpoint_mode=sometimes'], 'E-USAGE-001', 'sometimes'),
     ('missing flagfile', ['--flagfile={inputs}/no_flagfile'], 'E-USAGE-001', 'no_flagfile'),
     ('lease of no time', ['--remote_lease_secs=0'], 'E-CONFIG-004', 'remote_lease_secs=0'),
+    ('a request rate of no requests', ['--remote_rate=0'], 'E-CONFIG-004', "remote_rate='0'"),
     ('negative stop grace', ['--stop_grace_secs=-1'], 'E-CONFIG-004', 'stop_grace_secs=-1'),
     ('negative steps in flight', ['--config.train.max_steps_in_flight=-1'], 'E-CONFIG-001',
      'train.max_steps_in_flight=-1'),

@@ -40,6 +40,7 @@ FLAG_FIELDS = {
     'remote': 'checkpoint.remote',
     'remote_lease_secs': 'checkpoint.remote_lease_secs',
     'remote_lease': 'checkpoint.remote_lease',
+    'remote_rate': 'checkpoint.remote_rate',
     'stop_grace_secs': 'checkpoint.stop_grace_secs',
     'keep': 'checkpoint.keep',
     'replicas': 'checkpoint.replicas',
@@ -120,6 +121,11 @@ def define_trainer_flags() -> None:
       _field(
           'One writer per --remote prefix, enforced with a lease (off: for a store that ignores '
           'conditional writes; nothing stops a second writer).', 'remote_lease'))
+  flags.DEFINE_string(
+      'remote_rate', None,
+      _field(
+          "The whole job's requests a second to --remote, split evenly over its processes: auto "
+          "(the store's documented limits x 0.9), off, or a number.", 'remote_rate'))
   flags.DEFINE_float(
       'stop_grace_secs', None,
       _field(

@@ -27,7 +27,7 @@ _GROUPS = {
                     'checkpoint_min_secs', 'checkpoint_max_secs', 'checkpoint_mode',
                     'checkpoint_staging', 'keep', 'keep_every', 'keep_best', 'guard_finite'),
     'Remote copy': ('remote', 'remote_every', 'remote_mtbi', 'remote_lease', 'remote_lease_secs',
-                    'stop_grace_secs'),
+                    'remote_rate', 'stop_grace_secs'),
     'Exports during training':
         ('export_every', 'export_formats', 'export_keep', 'export_optimizer'),
     'Many hosts': ('coordinator_address', 'num_processes', 'process_id', 'heartbeat_timeout_secs',
@@ -45,7 +45,8 @@ _DEFAULTS = {
 _FORMS = {
     'workdir': 'DIR', 'resume': 'latest|none|PATH', 'checkpoint_every': 'N|auto',
     'checkpoint_mtbi': 'DURATION', 'remote': 'URL', 'remote_every': 'K|auto',
-    'remote_mtbi': 'DURATION', 'export_formats': 'LIST', 'coordinator_address': 'HOST:PORT'
+    'remote_rate': 'PER_S|auto|off', 'remote_mtbi': 'DURATION', 'export_formats': 'LIST',
+    'coordinator_address': 'HOST:PORT'
 }
 
 

@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterator
 from absl import logging
 
 from jaxckpt.checkpoint import CheckpointOptions, CommitInfo, RetentionPolicy, layout
-from jaxckpt.checkpoint.remote import Lease, LeaseError, Parts, Store, StoreError, Uploader, objects
+from jaxckpt.checkpoint.remote import (Lease, LeaseError, Parts, Store, StoreError, Uploader,
+                                       objects, pacing)
 from jaxckpt.checkpoint.remote.segments import Appended
 from jaxckpt.errors import UsageError
 from jaxckpt.hosts import distributed, remote_start
@@ -118,6 +119,8 @@ class RemoteRun:
     url = config.checkpoint.get('remote', '')
     if not url:
       return None
+    # Each process sends its even share of the job's request rate (`--remote_rate`).
+    pacing.share(cluster.count, config.checkpoint.get('remote_rate', 'auto'))
     store = open_store(url)
     lease = config.checkpoint.get('remote_lease', 'on') == 'on'
     check_access(store, conditions=lease and cluster.leader)

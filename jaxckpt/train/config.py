@@ -8,7 +8,7 @@ decides whether a config can run, before anything is compiled or written.
 from __future__ import annotations
 
 from jaxckpt.checkpoint import ArgumentError, CheckpointOptions, cadence
-from jaxckpt.checkpoint.remote import StoreError, parse_url
+from jaxckpt.checkpoint.remote import StoreError, pacing, parse_url
 from jaxckpt.errors import ConfigError
 from jaxckpt.export import during_training
 from jaxckpt.hosts import upload_cadence
@@ -82,6 +82,12 @@ def _validate_remote(c) -> None:
                       'positive', 'set --remote_lease_secs to seconds, e.g. 60')
   upload_cadence.parse_remote_every(c.get('remote_every', cadence.AUTO))
   upload_cadence.parse_remote_mtbi(c.get('remote_mtbi', upload_cadence.DEFAULT_REMOTE_MTBI))
+  try:
+    pacing.parse_rate(c.get('remote_rate', 'auto'))
+  except ValueError as e:
+    raise ConfigError(
+        'E-CONFIG-004', f'checkpoint remote_rate={e}', 'set --remote_rate=auto (the '
+        "store's documented limits), off, or the job's requests a second") from None
   if c.get('remote_lease', 'on') not in ('on', 'off'):
     raise ConfigError('E-CONFIG-004', f'checkpoint remote_lease={c.remote_lease!r} is not on or '
                       'off', 'set --remote_lease=on (one writer per prefix) or off')

@@ -6,6 +6,7 @@
     parts       across processes: each uploads its own part, process 0 commits once all are up
     lease       one writer per remote prefix, through conditional writes
     segments    records that only grow (the loss history), sent by segment: what was appended
+    pacing      request rates: the job's share per process, paced keys, retries after a 503
 """
 
 from .lease import Lease, LeaseError

@@ -18,6 +18,7 @@ from typing import Callable, Iterable
 
 from .. import layout
 from ..errors import CheckpointError
+from .pacing import share
 
 # `statefile.file_name(k)` (statefile itself imports numpy, which `jaxckpt inspect` never needs)
 _PART = re.compile(rf'^{layout.STATE_DIR}/process_(\d+)\.safetensors$')
@@ -34,6 +35,7 @@ class Parts:
 
   def __init__(self, index: int, count: int, *, client=None, prefix: str = 'jaxckpt/remote'):
     self.index, self.count, self.leader = index, count, index == 0
+    share(processes=count)  # this process's share of the job's requests to the store
     if client is None:
       from ..multihost import client as job_client  # pylint: disable=import-outside-toplevel
       client = job_client()  # imports jax: only a job of many processes needs it

@@ -28,6 +28,8 @@ Retries are `Store`'s own (`Retries`; tensorstore's off). HTTP 503 `SlowDown`, 4
 (tensorstore hides `Retry-After`) doubling to 30 s, jittered up, for 120 s or the call's `timeout`,
 then E-STORE-015; a lost connection or other 5xx: 3 retries. A `paced` name (the lease, a commit)
 is written at most once a second per key per process (GCS takes about one a second per object).
+Each request of a part (`start_write`, `start_read`: a save's and a restore's bulk) waits for
+this process's share of the job's request rate to the store (`pacing`).
 
 Keys are relative to the prefix. Every failure is a `StoreError` whose `kind` says what went
 wrong (a missing bucket, refused credentials, no permission, an endpoint that cannot be reached)
@@ -37,7 +39,6 @@ generation of an object: S3 `If-None-Match`/`If-Match`, GCS `ifGenerationMatch`,
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
@@ -47,9 +48,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import CheckpointError
+from .pacing import PACE_SECS, Retries, admit, is_paced, paced, pacing  # noqa: F401
 
 SCHEMES = ('s3', 'gs', 'file')
 _URL = re.compile(r'^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://(?P<rest>.*)$')
@@ -57,38 +59,6 @@ _TS_RETRIES = {'max_retries': 0}  # tensorstore's: every retry is `Store`'s own 
 _ABSENT = b'\x02'  # tensorstore's generation of a key that holds no value
 _AUTH_LOG = 'google_auth_provider.cc'  # where tensorstore says how it found GCS credentials
 _auth_said = threading.Lock()  # taken for good by the first GCS store of the process
-PACE_SECS = 1.0  # the shortest time between two writes of one paced key from this process
-_paced: dict[str, float] = {}  # names (a key's last part): the shortest time between writes
-_last_write: dict[tuple[str, str], float] = {}  # (store URL, key): when its last write ended
-
-
-class Retries(NamedTuple):
-  """How `Store` retries a request (see the module doc); every wait is jittered upwards."""
-  slow_first: float = 1.0  # the first wait after a 503 or 429
-  slow_max: float = 30.0  # the longest one
-  slow_secs: float = 120.0  # how long one request is retried while the store asks to slow down
-  transient: int = 3  # retries of a lost connection or another 5xx: 0.2 s doubling to 2 s
-
-
-def paced(name: str, secs: float = PACE_SECS) -> str:
-  """Marks `name` (a key's last part) as written at most once per `secs` per key."""
-  _paced[name] = secs
-  return name
-
-
-@contextlib.contextmanager
-def _pacing(url: str, key: str | None):
-  """A write of `key`: if its name is paced, not sent until its pace after the last one ended."""
-  secs = 0.0 if key is None else _paced.get(key.rsplit('/', 1)[-1], 0.0)
-  if secs > 0:  # one thread writes a paced key at a time (the lease's, the uploader's)
-    time.sleep(max(0.0, _last_write.get((url, key), -secs) + secs - time.monotonic()))
-  try:
-    yield
-  finally:
-    if secs > 0:
-      _last_write[(url, key)] = time.monotonic()  # from its end: when the store had it
-
-
 class StoreError(CheckpointError):
   """A store operation failed. `kind`: what `classify` makes of the store's answer."""
 
@@ -271,7 +241,7 @@ class Store:
     while True:
       tries += 1
       try:
-        with _pacing(self.url, key if op in ('write', 'delete') else None):
+        with pacing(self.url, key if op in ('write', 'delete') else None):
           return fn(None if end is None else max(0.0, end - time.monotonic()))
       except (ValueError, RuntimeError, OSError) as e:
         message = str(e) or ('timed out' if isinstance(e, TimeoutError) else repr(e))
@@ -433,17 +403,23 @@ class Store:
 
 
 class Request:
-  """A request in flight; `result(timeout)` waits for it, resending as `Store.retries` says."""
+  """A request in flight; `result(timeout)` waits for it, resending as `Store.retries` says.
+  Each send, the first and every resend, waits for this process's slot of the job's request
+  rate to the store (`pacing.admit`): the bulk of a save's and a restore's requests."""
 
   def __init__(self, store: Store, op: str, key: str, send: Callable[[], Any]):
     self._store, self._op, self._key, self._send = store, op, key, send
     # A paced key's write is sent by `result`, after its pause (`_call`).
-    self._future = None if op != 'read' and key.rsplit('/', 1)[-1] in _paced else send()
+    self._future = None if op != 'read' and is_paced(key) else self._paced_send()
+
+  def _paced_send(self):
+    admit(self._store.scheme, self._store.bucket, self._op)
+    return self._send()
 
   def result(self, timeout: float | None = None) -> Any:
 
     def attempt(left):
-      future, self._future = self._future or self._send(), None
+      future, self._future = self._future or self._paced_send(), None
       return future.result(timeout=left)
 
     return self._store._call(self._op, self._key, attempt, timeout=timeout)
