@@ -44,6 +44,15 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.xdist_group(_GROUPS.get(item.path.stem, item.path.stem)))
 
 
+@pytest.fixture(autouse=True)
+def _one_process_job():
+  """A test that ran the remote tier in this process (a `Parts` of a job of several, a trainer's
+  `--remote_rate`) leaves the process's request pacing as a one-process job's again."""
+  yield
+  from jaxckpt.checkpoint.remote import pacing
+  pacing.share(processes=1, per_s='auto')
+
+
 @pytest.fixture(scope='session')
 def compile_cache(tmp_path_factory) -> Path:
   """The JAX compilation cache of the whole run, shared by the xdist workers (the processes of a

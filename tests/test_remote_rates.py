@@ -160,8 +160,7 @@ def test_a_rate_spaces_requests_evenly_from_a_random_phase():
 
 @pytest.fixture
 def job_rate():
-  yield pacing.share
-  pacing.share(processes=1, per_s='auto')
+  return pacing.share  # conftest's `_one_process_job` sets it back after each test
 
 
 def test_each_process_takes_an_even_share_of_the_stores_limits(job_rate):
@@ -169,7 +168,7 @@ def test_each_process_takes_an_even_share_of_the_stores_limits(job_rate):
   assert pacing.rate_of('s3', 'write') == pytest.approx(3.15)
   assert pacing.rate_of('s3', 'read') == pytest.approx(4.95)
   assert pacing.rate_of('gs', 'write') == pytest.approx(0.9)
-  assert pacing.rate_of('gs', 'delete') == pytest.approx(0.9)
+  assert pacing.rate_of('gs', 'delete') == pytest.approx(900)  # process 0's alone: the job's
   assert pacing.rate_of('file', 'write') is None  # a mounted path: no request limit
   job_rate(per_s=400)  # the job's requests a second, of each kind
   assert pacing.rate_of('s3', 'write') == pytest.approx(0.4)

@@ -159,7 +159,7 @@ def send_events(run, timeout: float) -> str | None:
     data = (run.workdir / EVENTS).read_bytes()
     if run.lease is not None:
       run.lease.writable(where)
-    run.store.start_write(RUN_EVENTS, data).result(timeout=timeout)
+    run.store.write(RUN_EVENTS, data, timeout=timeout)
   except TimeoutError:
     return f'{where} did not answer within {timeout:.0f} s'
   except LeaseError as e:

@@ -95,11 +95,11 @@ class Rate:
       now = self._clock()
       slot = now + self._phase if self._next is None else max(now, self._next)
       self._next = slot + self.spacing
-    wait = slot - now
+      wait = max(0.0, slot - now)
+      self.waited += wait
     if wait > 0:
       self._sleep(wait)
-      self.waited += wait
-    return max(0.0, wait)
+    return wait
 
 
 class _Job:
@@ -107,7 +107,7 @@ class _Job:
 
   def __init__(self):
     self.processes, self.per_s = 1, 'auto'
-    self.rates: dict[tuple[str, str, bool], Rate | None] = {}
+    self.rates: dict[tuple[str, str, str], Rate | None] = {}
     self.lock = threading.Lock()
 
 
@@ -138,24 +138,27 @@ def share(processes: int | None = None, per_s: float | str | None = None) -> Non
     raise ValueError(f'a job has at least one process, not {processes}')
   per_s = None if per_s is None else parse_rate(per_s)
   with _job.lock:
-    _job.processes = _job.processes if processes is None else int(processes)
-    _job.per_s = _job.per_s if per_s is None else per_s
-    _job.rates.clear()
+    now = (_job.processes if processes is None else int(processes),
+           _job.per_s if per_s is None else per_s)
+    if now != (_job.processes, _job.per_s):  # unchanged: the `Rate`s keep their slots
+      _job.processes, _job.per_s = now
+      _job.rates.clear()
 
 
 def rate_of(scheme: str, op: str) -> float | None:
-  """This process's requests a second for `op` on a store, or None when not paced."""
-  write = op in WRITES
+  """This process's requests a second for `op` on a store, or None when not paced. A delete
+  is process 0's alone (retention, debris: nobody else deletes), so it goes at the job's whole
+  write rate, on a `Rate` of its own."""
   if _job.per_s == 'off' or scheme not in LIMITS:
     return None
-  job = LIMITS[scheme][0 if write else 1] * SHARE if _job.per_s == 'auto' else _job.per_s
-  return job / _job.processes
+  job = LIMITS[scheme][0 if op in WRITES else 1] * SHARE if _job.per_s == 'auto' else _job.per_s
+  return job if op == 'delete' else job / _job.processes
 
 
 def admit(scheme: str, bucket: str, op: str) -> float:
   """Waits for this process's next slot for `op` on the store `scheme://bucket` (one `Rate` per
   store and kind, shared by every `Store` of it in the process); returns the wait."""
-  key = (scheme, bucket, op in WRITES)
+  key = (scheme, bucket, 'delete' if op == 'delete' else 'write' if op in WRITES else 'read')
   with _job.lock:
     if key not in _job.rates:
       per_s = rate_of(scheme, op)

@@ -59,6 +59,8 @@ _TS_RETRIES = {'max_retries': 0}  # tensorstore's: every retry is `Store`'s own 
 _ABSENT = b'\x02'  # tensorstore's generation of a key that holds no value
 _AUTH_LOG = 'google_auth_provider.cc'  # where tensorstore says how it found GCS credentials
 _auth_said = threading.Lock()  # taken for good by the first GCS store of the process
+
+
 class StoreError(CheckpointError):
   """A store operation failed. `kind`: what `classify` makes of the store's answer."""
 
@@ -258,7 +260,7 @@ class Store:
             raise StoreError(
                 'E-STORE-015', f'{op} {where}: the store answered HTTP {status} '
                 f'(slow down) to {tries} tries over {time.monotonic() - t0:.1f} s',
-                'send fewer requests: fewer processes or parts in flight', kind) from e
+                'send fewer requests: --remote_rate=auto, or a lower number (pacing)', kind) from e
           raise (StoreTimeout if isinstance(e, TimeoutError) else StoreError)(
               'E-STORE-010', f'{op} {where} failed: {message.splitlines()[0][:300]}',
               'check the store and the network; the operation is retried', kind) from e
@@ -310,8 +312,13 @@ class Store:
       return str(number) if number else None
     return body.decode(errors='replace') if body.strip(b'\x00') else None
 
-  def write(self, key: str, data: bytes) -> None:
-    self._call('write', key, lambda left: self.kv.write(key, bytes(data)).result())
+  def write(self, key: str, data: bytes, *, timeout: float | None = None) -> None:
+    """`timeout`: seconds to wait for the store (StoreTimeout past it; the write may land)."""
+    self._call(
+        'write',
+        key,
+        lambda left: self.kv.write(key, bytes(data)).result(timeout=left),
+        timeout=timeout)
 
   def write_many(self, items: Mapping[str, bytes]) -> None:
     """Writes every object at once; returns when all are durable (raises on the first error)."""
@@ -419,7 +426,10 @@ class Request:
   def result(self, timeout: float | None = None) -> Any:
 
     def attempt(left):
+      start = time.monotonic()
       future, self._future = self._future or self._paced_send(), None
+      if left is not None:  # a wait for the slot counts against the call's time
+        left = max(0.0, left - (time.monotonic() - start))
       return future.result(timeout=left)
 
     return self._store._call(self._op, self._key, attempt, timeout=timeout)
