@@ -13,6 +13,10 @@ project's own calls (`jaxckpt.checkpoint.traffic`: keys and values), per phase:
            start does about five) and opening the manager (`Group.open`)
   save     one save, from save() to committed (median over the repeats); the benchmark's own
            barrier before it is not counted
+  own      the same, each process saving into its own directory (each host's own disk: every
+           process commits its part under process 0's manifest), of a state of LEAVES arrays
+           (andrea_120m's leaf count), each sharded over every process, so that each part record
+           is andrea_120m's size (about 5 KB)
   stop     an agreed stop: the last process gets a real SIGTERM while every process's loop
            steps on (10 ms a step), and all stop after the same step (`hosts.agreement`, as a
            trainer's loop does): from the signal until every loop has its outcome
@@ -38,10 +42,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 COLUMNS = [
     'processes', 'commit_s', 'save_p0_sent', 'save_p0_recv', 'save_other_sent', 'save_other_recv',
-    'start_p0_recv', 'start_other_recv', 'stop_s', 'stop_p0_recv', 'stop_other_sent',
-    'stop_other_recv', 'watchdog_p0_recv', 'watchdog_other_recv'
+    'start_p0_recv', 'start_other_recv', 'own_commit_s', 'own_p0_recv', 'own_other_recv', 'stop_s',
+    'stop_p0_recv', 'stop_other_sent', 'stop_other_recv', 'watchdog_p0_recv', 'watchdog_other_recv'
 ]
 STARTS = 5
+LEAVES = 449  # the own-disk save's arrays: andrea_120m's leaf count
 
 
 def worker(process: int, count: int, coordinator: str, directory: str, repeats: int) -> None:
@@ -80,16 +85,47 @@ def worker(process: int, count: int, coordinator: str, directory: str, repeats: 
     saves.append(
         {'seconds': time.perf_counter() - t0, **_delta(before, counted.snapshot(but=watchdog))})
   mgr.close()
+  own = _own_disk_saves(process, count, f'{directory}/own{process}', repeats, counted, watchdog)
   stop = _agreed_stop(process, count, cluster, counted, watchdog)
   dog = counted.snapshot(watchdog)
   rounds = max(1, dog['calls'] // (2 if process == 0 else 3))  # its calls a round
   print(
       'RESULT ' + json.dumps({
-          'process': process, 'start': start, 'saves': saves, 'stop': stop, 'heartbeat_secs':
-              cluster.heartbeat_secs, 'watchdog': {k: v / rounds for k, v in dog.items()}
+          'process': process, 'start': start, 'saves': saves, 'own': own, 'stop': stop,
+          'heartbeat_secs': cluster.heartbeat_secs,
+          'watchdog': {k: v / rounds for k, v in dog.items()}
       }),
       flush=True)
   client().wait_at_barrier('bench/end', 600_000)
+
+
+def _own_disk_saves(process: int, count: int, directory: str, repeats: int, counted,
+                    watchdog) -> list[dict]:
+  """Saves into this process's own directory: [{seconds, sent, received}] per save."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions
+  from jaxckpt.checkpoint.multihost import client
+  sharding = NamedSharding(Mesh(np.asarray(jax.devices()), ('data',)), P('data'))
+  state = {
+      f'params/leaf_{i:03d}':
+          jax.make_array_from_callback((count * 2, 4), sharding, lambda idx: np.ones(
+              (2, 4), np.float32)) for i in range(LEAVES)
+  }
+  saves = []
+  with CheckpointManager(directory, CheckpointOptions(keep=2, barrier_timeout_secs=600)) as mgr:
+    for step in range(repeats + 1):  # the first opens the group
+      client().wait_at_barrier(f'bench/own/{step}', 600_000)
+      before, t0 = counted.snapshot(but=watchdog), time.perf_counter()
+      mgr.save(step, state, {'step': step})
+      mgr.wait_until_finished()
+      if step:
+        saves.append(
+            {'seconds': time.perf_counter() - t0, **_delta(before, counted.snapshot(but=watchdog))})
+  return saves
 
 
 def _agreed_stop(process: int, count: int, cluster, counted, watchdog) -> dict:
@@ -150,8 +186,8 @@ def run_count(count: int, repeats: int, scratch: Path) -> dict:
   ]
   by = {r['process']: r for r in found}
 
-  def save(k, what):
-    return statistics.median(s[what] for s in by[k]['saves'])
+  def save(k, what, kind='saves'):
+    return statistics.median(s[what] for s in by[k][kind])
 
   others = [k for k in by if k != 0]
   stopped = {r['stop']['step'] for r in by.values()}
@@ -166,10 +202,13 @@ def run_count(count: int, repeats: int, scratch: Path) -> dict:
       'save_p0_recv': save(0, 'received'), 'save_other_sent': max(save(k, 'sent') for k in others),
       'save_other_recv': max(save(k, 'received') for k in others), 'start_p0_recv': by[0]['start']
                                                                                     ['received'],
-      'start_other_recv': max(by[k]['start']['received'] for k in others),
+      'start_other_recv': max(by[k]['start']['received'] for k in others
+                             ), 'own_commit_s': save(0, 'seconds', 'own'),
+      'own_p0_recv': save(0, 'received',
+                          'own'), 'own_other_recv': max(save(k, 'received', 'own') for k in others),
       'watchdog_p0_recv': round(by[0]['watchdog']['received']), 'watchdog_other_recv': round(
           max(by[k]['watchdog']['received'] for k in others)), 'per_process': {
-              k: {'start': r['start'], 'saves': r['saves'], 'stop': r['stop']}
+              k: {'start': r['start'], 'saves': r['saves'], 'own': r['own'], 'stop': r['stop']}
               for k, r in sorted(by.items())
           }
   }

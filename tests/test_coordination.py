@@ -24,6 +24,7 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str)
   import time
 
   from jaxckpt.hosts import distributed
+  directory = directory.format(k=process)  # host{k}: each process's own disk
 
   # Process 1's records of a lost process take 2 s to write (a loaded machine, a slow disk):
   # process 0, the coordinator, must not exit first, or JAX aborts process 1 (-6), not exit 1.
@@ -63,11 +64,11 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str)
   mgr.close()
 
 
-def run(tmp, compile_cache, cmd: str, timeout: float = 180):
+def run(tmp, compile_cache, cmd: str, timeout: float = 180, directory: str | None = None):
   procs = start_processes(
-      lambda k, coordinator: [sys.executable, __file__, cmd,
-                              str(k), '3', coordinator,
-                              str(tmp)],
+      lambda k, coordinator:
+      [sys.executable, __file__, cmd,
+       str(k), '3', coordinator, directory or str(tmp)],
       3,
       cache=compile_cache)
   return finish_processes(procs, timeout)
@@ -92,6 +93,25 @@ def test_a_save_sends_every_part_record_to_process_0_alone(tmp_path, compile_cac
   assert p0['received'] > 2 * record, p0  # process 0 reads both others' records
   for other in (p1, p2):  # the others read process 0's word, never a record
     assert other['received'] < record / 4, (other, record)
+
+
+def test_on_each_hosts_own_disk_only_process_0_reads_the_part_records(tmp_path, compile_cache):
+  """Each host commits its part under process 0's manifest; process 0's word lists the job's
+  files (a line a process), so the others read no record: before, each read all three."""
+  results = run(tmp_path, compile_cache, 'save', directory=f'{tmp_path}/host{{k}}')
+  for k, (code, out) in enumerate(results):
+    assert code == 0, f'process {k} exited {code}:\n{out[-3000:]}'
+  hosts = [tmp_path / f'host{k}' / 'step_00000002' for k in range(3)]
+  raw = (hosts[0] / 'manifest.json').read_bytes()
+  assert json.loads(raw)['state_files'] == [f'state/process_{k}.safetensors' for k in range(3)]
+  for k, host in enumerate(hosts):
+    assert (host / 'manifest.json').read_bytes() == raw  # one commit, the same bytes
+    assert (host / f'state/process_{k}.safetensors').is_file()
+  record = 8 * LEAVES * 4 // 3
+  p0, p1, p2 = (traffic(out) for _, out in results)
+  assert p0['received'] > 2 * record, p0
+  for other in (p1, p2):  # process 0's word with 4 files' sizes and CRCs, not 3 records
+    assert other['received'] < record, (other, record)
 
 
 def test_a_process_that_never_arrives_is_named_by_every_other(tmp_path, compile_cache):

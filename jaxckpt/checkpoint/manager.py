@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterable, Mapping
 import jax
 import numpy as np
 
-from . import (atomic, layout, manifest, multihost, orbaxstore, reading, replicas, retention,
-               shardtable, statefile)
+from . import (atomic, jobcommit, layout, manifest, multihost, orbaxstore, reading, replicas,
+               retention, shardtable, statefile)
 from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file
 from .options import CheckpointOptions, CommitInfo
@@ -266,10 +266,11 @@ class CheckpointManager:
         metadata['excluded'] = tensor_table(left_out)
       tmp.mkdir(parents=False, exist_ok=group is not None)
       storage = self._storage()
-      known = {}
+      known, held = {}, {}
       if storage == SAFETENSORS:  # one file, straight from the staging region
         region = None if isinstance(staged, Unstaged) else self._stager.region
-        known, table = self._write_state(tmp, step, seq, staged, region, table, places, copies)
+        known, table, held = self._write_state(tmp, step, seq, staged, region, table, places,
+                                               copies)
       else:
         orbaxstore.save(tmp / layout.STATE_DIR, staged)
       # Why this checkpoint is kept is its own: a later run's other flags never delete it.
@@ -277,22 +278,22 @@ class CheckpointManager:
           **metadata, 'storage': storage,
           'retention': retention.record(step, self.options, replacing=self.step_dir(step))
       }
-      if group is not None and storage == SAFETENSORS:
-        metadata['state_files'] = sorted(k for k in known if k != shardtable.SHARDS)
-        metadata[shardtable.KEY] = shardtable.SHARDS
       final = self.step_dir(step)
       if group is not None and not group.leader:  # process 0 commits; its word ends the save
-        files, word = known, group.await_word(f'{seq}/commit', f'checkpoint step {step}')
-        if word.split(' ')[0] != 'ok':
-          raise CheckpointError('E-DIST-003', f'process 0 did not commit: {word}')
+        at, job = jobcommit.await_commit(group, seq, step)
+        files = known
         if not group.shared:  # this host's part, under process 0's manifest (the same bytes)
-          files = manifest.commit(tmp, final, step, known, table, metadata, run_state_json,
-                                  float(word.split(' ')[1]))
+          replicas.keep_matching(tmp, held, job)
+          files = manifest.commit(tmp, final, step, job, table,
+                                  jobcommit.listing(metadata, job, storage, True), run_state_json,
+                                  at)
       else:
         now = time.time()
-        files = manifest.commit(tmp, final, step, known, table, metadata, run_state_json, now)
+        files = manifest.commit(tmp, final, step, known, table,
+                                jobcommit.listing(metadata, known, storage, group is not None),
+                                run_state_json, now)
         if group is not None:
-          group.announce(f'{seq}/commit', f'ok {now!r}')
+          group.announce(f'{seq}/commit', jobcommit.word(now, None if group.shared else known))
           group.forget(str(seq - 1))  # every process has read the previous save's keys
       committed = time.perf_counter()
     except BaseException as e:
@@ -332,8 +333,9 @@ class CheckpointManager:
           f'checkpoint step {step} is committed and intact') from e
 
   def _write_state(self, tmp, step, seq, staged, region, table, placed, copies=()):
-    """Write this process's state file: ({file: {size, crc32}}, the tensor table with CRCs).
-    Across processes, every process's files and shards, once all of them are durable."""
+    """Write this process's state file: ({file: {size, crc32}}, the tensor table with CRCs, the
+    replicas it wrote). Across processes, process 0 lists every process's files and shards, once
+    all of them are durable (`jobcommit`)."""
     name = statefile.file_name(0 if self._group is None else self._group.index)
     rel, (places, grid) = f'{layout.STATE_DIR}/{name}', placed
     header = []  # with the region: the file is in memory until the next save stages over it
@@ -347,22 +349,15 @@ class CheckpointManager:
     lent = region is not None and self._stager.lend(header[0], written[name]['size'])
     self._in_memory = {rel: lent} if lent else {}
     if self._group is None:
-      return {rel: written[name]}, [{**row, 'crc32': crcs[row['name']]} for row in table]
+      return {rel: written[name]}, [{**row, 'crc32': crcs[row['name']]} for row in table], {}
     held = replicas.write(tmp / layout.STATE_DIR, copies)  # before the barrier: in the commit
     atomic.fsync_dir(tmp / layout.STATE_DIR)  # their names are durable too
     record = shardtable.part_record(rel, written[name], crcs, places,
                                     {t: np.shape(x) for t, x in staged.items()}, grid)
-    # Process 0 alone reads every part record (it writes the manifest); so does each process
-    # when each commits its own part (not `shared`): its manifest covers every file.
-    records = self._group.collect(
-        f'{seq}/durable', f'checkpoint step {step}', record, everyone=not self._group.shared)
-    mine = records is None  # a process that writes no manifest: its own file alone
-    files, shards = ({rel: {k: written[name][k] for k in ('size', 'crc32')}}, None) if mine else \
-        shardtable.merge_records(records, expect=self._group.count, grid=grid)
-    replicas.keep_matching(tmp, held, files)
-    if not mine:  # this process writes a manifest: the shards' table beside it
-      files[shardtable.SHARDS] = shardtable.write(tmp / shardtable.SHARDS, shards)
-    return files, table
+    # Process 0 alone reads every part record and lists every file; the others, their own.
+    files = jobcommit.post(self._group, tmp, seq, step, record, held, grid) or \
+        {rel: {k: written[name][k] for k in ('size', 'crc32')}}
+    return files, table, held
 
   def _storage(self) -> str:
     return SAFETENSORS if self.options.storage == 'auto' else self.options.storage
