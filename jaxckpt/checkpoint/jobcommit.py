@@ -6,7 +6,7 @@ cells) and waits at one barrier; process 0 alone reads the records, files them i
 
 Where each host commits its own part (the directory is each host's own disk), every host's
 manifest must be the same bytes as process 0's, and so list every process's file. The word then
-also carries the job's file table ({file: {size, crc32}}, about 75 bytes a process), and each
+also carries the job's file table (each process's state file packed in 16 bytes), and each
 process commits its part under that manifest without reading any other process's record: what a
 process other than 0 receives stays the word alone, not every process's record (which grows with
 every shard of the job). Its disk holds no `shards.json`, as it holds no other process's part: a
@@ -16,11 +16,14 @@ holds it with the rest.
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from . import replicas, shardtable
+import numpy as np
+
+from . import layout, replicas, shardtable, statefile
 from .errors import CheckpointError
 from .multihost import Group
 
@@ -51,23 +54,55 @@ def listing(metadata: Mapping[str, Any], files: Mapping[str, Any], storage: str,
   }
 
 
-def word(committed_at: float, files: Mapping[str, Any] | None) -> str:
-  """Process 0's word after its commit: the time it sealed, and the job's files when each host
-  commits its own part (`files`; None where the directory is shared)."""
-  listed = '' if files is None else ' ' + json.dumps(files, separators=(',', ':'))
-  return f'ok {committed_at!r}{listed}'
+_PART = np.dtype([('size', '<u8'), ('crc32', '<u4')])  # a state file in the word: 12 bytes
+
+
+def word(committed_at: float, files: Mapping[str, Any] | None, count: int = 0) -> str:
+  """Process 0's word after its commit: `ok <committed_at>`, and where each host commits its
+  own part (`files`: the job's, None where the directory is shared) ` <the others> <parts>`:
+  the `count` processes' state files packed (size and CRC-32, 16 bytes a process in base64, in
+  process order), every other file ({file: {size, crc32}}: the shard table) as JSON."""
+  if files is None:
+    return f'ok {committed_at!r}'
+  names = [_part_name(k) for k in range(count)]
+  parts = np.zeros(count, _PART)
+  for k, name in enumerate(names):
+    parts[k] = files[name]['size'], int(files[name]['crc32'], 16)
+  others = {n: f for n, f in files.items() if n not in set(names)}
+  return f'ok {committed_at!r} {json.dumps(others, separators=(",", ":"))} ' \
+      f'{base64.b64encode(parts.tobytes()).decode()}'
 
 
 def await_commit(group: Group, seq: int, step: int) -> tuple[float, dict[str, Any] | None]:
-  """A process other than 0: process 0's word on save `seq` (committed_at, the job's files or
-  None); E-DIST-003 when it did not commit, E-DIST-002 past the timeout."""
+  """A process other than 0: process 0's word on save `seq` (`parse`); E-DIST-002 past the
+  timeout."""
   said = group.await_word(f'{seq}/commit', f'checkpoint step {step}')
-  head, _, listed = said.partition(' ')
-  at, _, listed = listed.partition(' ')
-  if head != 'ok':
-    raise CheckpointError('E-DIST-003', f'process 0 did not commit: {said}')
+  return parse(said, step, None if group.shared else group.count)
+
+
+def parse(said: str, step: int, count: int | None) -> tuple[float, dict[str, Any] | None]:
+  """Process 0's word `said` on the commit of `step`: (committed_at, the job's files of `count`
+  processes, or None where the directory is shared: `count` None). E-DIST-003 when process 0
+  did not commit, or its word is not what this process expects."""
+  fields = said.split(' ')
+  if fields[0] != 'ok':
+    raise CheckpointError('E-DIST-003', f'process 0 did not commit: {said[:300]}')
   try:
-    return float(at), (json.loads(listed) if listed else None)
-  except ValueError as e:
-    raise CheckpointError('E-DIST-003', f'process 0 committed step {step}, and its word does '
-                          f'not parse ({e})', 'the job runs one jaxckpt version everywhere') from e
+    if len(fields) != (2 if count is None else 4):
+      raise ValueError(f'{len(fields)} fields')
+    if count is None:
+      return float(fields[1]), None
+    others = json.loads(fields[2])
+    parts = np.frombuffer(base64.b64decode(fields[3], validate=True), _PART)
+    if not isinstance(others, dict) or len(parts) != count:
+      raise ValueError(f'{len(parts)} state files for {count} processes')
+    files = {_part_name(k): {'size': int(n), 'crc32': f'{c:08x}'} for k, (n, c) in enumerate(parts)}
+    return float(fields[1]), {**others, **files}
+  except (ValueError, TypeError) as e:
+    raise CheckpointError(
+        'E-DIST-003', f'process 0 committed step {step}, and its word does not parse here '
+        f'({" ".join(str(e).split())[:200]})', 'run one jaxckpt version on every process') from None
+
+
+def _part_name(process: int) -> str:
+  return f'{layout.STATE_DIR}/{statefile.file_name(process)}'

@@ -293,7 +293,8 @@ class CheckpointManager:
                                 jobcommit.listing(metadata, known, storage, group is not None),
                                 run_state_json, now)
         if group is not None:
-          group.announce(f'{seq}/commit', jobcommit.word(now, None if group.shared else known))
+          group.announce(f'{seq}/commit',
+                         jobcommit.word(now, None if group.shared else known, group.count))
           group.forget(str(seq - 1))  # every process has read the previous save's keys
       committed = time.perf_counter()
     except BaseException as e:

@@ -1,0 +1,45 @@
+"""Process 0's word after a commit across processes (`jobcommit`): on each host's own disk it
+carries the job's file table, which every other host's manifest lists byte for byte."""
+
+import pytest
+
+from jaxckpt.checkpoint import CheckpointError, jobcommit
+
+
+def files(count: int) -> dict:
+  out = {'shards.json': {'size': 4242, 'crc32': '0000beef'}}
+  for k in range(count):
+    out[f'state/process_{k}.safetensors'] = {'size': 2**40 + k, 'crc32': f'{k * 7919:08x}'}
+  return out
+
+
+@pytest.mark.parametrize('count', [1, 2, 1024])
+def test_the_word_gives_back_the_files_it_was_given(count):
+  said = jobcommit.word(1764800000.123456, files(count), count)
+  at, got = jobcommit.parse(said, 7, count)
+  assert at == 1764800000.123456 and got == files(count)
+  # The order of each entry's fields is the manifest's: size, then CRC-32.
+  assert all(list(f) == ['size', 'crc32'] for f in got.values())
+  assert len(said) < 16 * count + 120  # 16 bytes a process, not every process's record
+
+
+def test_a_shared_directorys_word_is_the_time_alone():
+  assert jobcommit.word(1.5, None) == 'ok 1.5'
+  assert jobcommit.parse('ok 1.5', 3, None) == (1.5, None)
+
+
+@pytest.mark.parametrize(
+    'said, count, what',
+    [
+        ('OSError: [Errno 28] No space left on device', 2, 'process 0 did not commit: OSError'),
+        ('ok 1.5', 2, 'does not parse here (2 fields)'),  # a process 0 of before file tables
+        (jobcommit.word(1.5, files(3), 3), 2, '3 state files for 2 processes'),
+        ('ok 1.5 [] AAAA', 2, 'does not parse here'),
+        ('ok 1.5 {} not-base64!', 2, 'does not parse here'),
+        ('ok soon {} ', 2, 'does not parse here'),
+    ])
+def test_a_word_not_as_expected_is_one_line_naming_process_0(said, count, what):
+  with pytest.raises(CheckpointError) as e:
+    jobcommit.parse(said, 9, count)
+  assert e.value.code == 'E-DIST-003' and what in e.value.line(), e.value.line()
+  assert '\n' not in e.value.line()
