@@ -10,9 +10,11 @@
 
 import contextlib
 import dataclasses
+import json
 import signal
 import threading
 import urllib.parse
+import zlib
 from typing import Any
 
 import jax.numpy as jnp
@@ -25,7 +27,7 @@ from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions
 from jaxckpt.checkpoint.remote import Store, objects
 from jaxckpt.hosts import distributed
 from jaxckpt.hosts.remote import RemoteRun
-from jaxckpt.hosts.remote_start import RUN_EVENTS
+from jaxckpt.hosts.remote_start import RUN_EVENTS, tail
 from jaxckpt.records.runlog import RunLog
 from jaxckpt.train.save_cadence import read_history
 
@@ -164,6 +166,10 @@ def test_a_stop_during_an_earlier_upload_leaves_the_remote_events_ending_with_it
   assert events[-1] == end, events[-3:]  # the remote's events end with the end record
   assert events == read_events(workdir)[:len(events)]  # the first machine's, as they were
   assert run.start_step == remote and run.fetched['later_events'] > 0
+  # What the first machine's end sent: the events past its newest remote commit's, not all.
+  sent = store.read(RUN_EVENTS)
+  assert sent.startswith(b'{"format":"jaxckpt.events-tail"'), sent[:200]
+  assert len(sent) < len((workdir / 'events.jsonl').read_bytes()) - len(records['events.jsonl'])
   history = read_history(events)
   started = [e for e in events if e['event'] == 'started'][-1]
   assert history.interruptions == 1  # SIGTERM: a preemption
@@ -172,6 +178,15 @@ def test_a_stop_during_an_earlier_upload_leaves_the_remote_events_ending_with_it
 
 EVENTS = b'{"event":"started","time":1.0}\n{"event":"checkpoint","time":2.0,"step":1}\n'
 END = b'{"event":"interrupted","time":3.0,"step":4,"signal":"SIGTERM"}\n'
+
+
+def test_a_tail_names_where_it_starts_and_is_whole_without_one():
+  assert tail(EVENTS, 0) == EVENTS and tail(EVENTS, 5) == EVENTS  # no commit; not a line's end
+  assert tail(EVENTS, len(EVENTS) + 1) == EVENTS
+  head, rest = tail(EVENTS + END, len(EVENTS)).split(b'\n', 1)
+  assert json.loads(head) == {
+      'format': 'jaxckpt.events-tail', 'start': len(EVENTS), 'crc32': f'{zlib.crc32(EVENTS):08x}'
+  } and rest == END
 
 
 @pytest.mark.parametrize(
@@ -184,8 +199,16 @@ END = b'{"event":"interrupted","time":3.0,"step":4,"signal":"SIGTERM"}\n'
         (EVENTS + b'{"time":3.0}\n', EVENTS),  # a record that names no event
         (EVENTS + END[:-1], EVENTS),  # cut short
         (None, EVENTS),  # none there
+        (tail(EVENTS + END, len(EVENTS)), EVENTS + END),  # past the commit's bytes: joined
+        (tail(EVENTS + END, 31), EVENTS + END),  # past fewer of them: joined where they start
+        (tail(b'{"event":"started","time":0.5}\n' + EVENTS[31:] + END, 31), EVENTS),  # another's
+        (tail(EVENTS + END + END, len(EVENTS + END)), EVENTS),  # past a newer commit's
+        (tail(EVENTS + END, len(EVENTS)) + b'[1]\n', EVENTS),  # a tail with a line no record
     ],
-    ids=['continues', 'equal', 'another history', 'not a record', 'no event', 'cut', 'absent'])
+    ids=[
+        'continues', 'equal', 'another history', 'not a record', 'no event', 'cut', 'absent',
+        'tail', 'longer tail', 'tail of another history', 'tail of a newer commit', 'bad tail'
+    ])
 def test_the_remote_events_are_taken_only_when_they_continue_the_checkpoint_s(
     s3_server, tmp_path, written, taken):
   """`URL/run/events.jsonl` is from the bucket: a fresh machine takes it in place of the

@@ -10,10 +10,13 @@ of either tier, before the workdir's records are opened (a download replaces the
 - A local checkpoint that fails its checksums while it is restored is replaced by the remote's
   intact copy of the same step (`replace_damaged`), not passed over for an older local one.
 - The run's events travel with each checkpoint as of its save; at the end of each start, after
-  its end record, process 0 also writes them whole to `URL/run/events.jsonl` (`send_events`). A
-  download takes that object instead of the checkpoint's events when it continues them byte for
-  byte with well-formed records (`later_events`): how the start that wrote it ended reaches the
-  next machine even when the start's last checkpoint did not get up in time.
+  its end record, process 0 also writes to `URL/run/events.jsonl` the events past those of its
+  newest remote commit (`send_events`): a line `{"format": "jaxckpt.events-tail", "start": S,
+  "crc32": ...}` (S bytes before them, with their CRC-32), then the bytes from S on; the whole
+  record when it knows of no commit. A download takes that object instead of the checkpoint's
+  events when it continues them byte for byte with well-formed records (`later_events`): how the
+  start that wrote it ended reaches the next machine even when the start's last checkpoint did
+  not get up in time. A long run sends what its last start appended, not its whole history.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 from absl import logging
 
 from jaxckpt.checkpoint import CheckpointError, atomic, discovery, layout
+from jaxckpt.checkpoint.checksum import crc32
 from jaxckpt.checkpoint.remote import LeaseError, StoreError, objects
 from jaxckpt.checkpoint.remote.bounds import MAX_MANIFEST_BYTES, read_prefix
 from jaxckpt.errors import ResumeError
@@ -34,6 +38,7 @@ from jaxckpt.records.workdir import BANDIT, EVENTS, LOSSES, SAMPLES, STATUS
 APPEND_ONLY = (LOSSES, EVENTS)  # captured as their length at the call: the prefix never changes
 REWRITTEN = (SAMPLES, BANDIT, STATUS)  # captured as bytes
 RUN_EVENTS = f'run/{EVENTS}'  # the run's events as the last start that ended cleanly left them
+TAIL = 'jaxckpt.events-tail'  # its first line's format when it holds the events past S bytes
 MAX_EVENTS_BYTES = MAX_MANIFEST_BYTES  # what is read of it, at most (a long run's: megabytes)
 
 
@@ -151,15 +156,17 @@ def replace_damaged(run, path: Path, ckpt_dir: Path) -> Path | None:
 
 
 def send_events(run, timeout: float) -> str | None:
-  """Process 0, at the end of a start (after its end record): the run's events as they are now,
-  written whole to `URL/run/events.jsonl`, fenced by the lease. Waits at most `timeout` seconds
-  for the store; returns None once they are there, else why not (the caller says it)."""
+  """Process 0, at the end of a start (after its end record): the run's events past those its
+  newest remote commit holds (`tail`), written to `URL/run/events.jsonl`, fenced by the lease.
+  Waits at most `timeout` seconds for the store; returns None once they are there, else why not
+  (the caller says it)."""
   where = run.store.join(RUN_EVENTS)
   try:
     data = (run.workdir / EVENTS).read_bytes()
+    start = run.uploader.committed_size(EVENTS) if run.uploader is not None else 0
     if run.lease is not None:
       run.lease.writable(where)
-    run.store.write(RUN_EVENTS, data, timeout=timeout)
+    run.store.write(RUN_EVENTS, tail(data, start), timeout=timeout)
   except TimeoutError:
     return f'{where} did not answer within {timeout:.0f} s'
   except LeaseError as e:
@@ -167,6 +174,34 @@ def send_events(run, timeout: float) -> str | None:
   except Exception as e:  # noqa: BLE001 - a store error of any kind: the end is not shared
     return f'{where}: {type(e).__name__}: {" ".join(str(e).split())[:200]}'
   return None
+
+
+def tail(events: bytes, start: int) -> bytes:
+  """`URL/run/events.jsonl` for the run's `events` when a commit holds their first `start`
+  bytes: a line saying so (with their CRC-32), then the bytes from `start` on; `events` whole
+  when `start` is 0 or not a line's end in them."""
+  if not 0 < start <= len(events) or events[start - 1:start] != b'\n':
+    return events
+  head = {'format': TAIL, 'start': start, 'crc32': f'{crc32(events[:start]):08x}'}
+  return json.dumps(head, separators=(',', ':')).encode() + b'\n' + events[start:]
+
+
+def _joined(data: bytes, events: bytes) -> bytes | None:
+  """The record an events object stands for, given a checkpoint's `events`: a tail joined to
+  the first `start` bytes of `events` when those are what its first line says (None when they
+  are not: another history's, or a commit newer than the checkpoint's); a whole one as it is."""
+  first, _, rest = data.partition(b'\n')
+  try:
+    head = json.loads(first)
+  except ValueError:
+    return data
+  if not isinstance(head, dict) or head.get('format') != TAIL:
+    return data
+  start, crc = head.get('start'), head.get('crc32')
+  if type(start) is not int or not 0 < start <= len(events) or \
+      crc != f'{crc32(events[:start]):08x}':
+    return None
+  return events[:start] + rest
 
 
 def later_events(store, events: bytes) -> bytes | None:
@@ -179,8 +214,11 @@ def later_events(store, events: bytes) -> bytes | None:
   except StoreError as e:
     logging.warning('not reading %s: %s', store.join(RUN_EVENTS), e.what)
     return None
-  if (data is None or len(data) <= len(events) or len(data) > MAX_EVENTS_BYTES
-      or not data.startswith(events) or not events.endswith(b'\n')):
+  if data is None or len(data) > MAX_EVENTS_BYTES:
+    return None
+  data = _joined(data, events)
+  if data is None or len(data) <= len(events) or not data.startswith(events) or \
+      not events.endswith(b'\n'):
     return None
   tail = data[len(events):]
   try:

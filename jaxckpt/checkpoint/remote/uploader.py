@@ -128,6 +128,13 @@ class Uploader:
     with self._cv:
       return {s for s in (self._busy_step, self._pending and self._pending[0]) if s is not None}
 
+  def committed_size(self, name: str) -> int:
+    """The bytes of record `name` (sent by segment) that this writer's last commit holds, or the
+    remote's newest when this writer has not committed yet and its file still holds them; 0
+    when it knows of none."""
+    _, held = self._segments.known.get(name, (None, []))
+    return held[-1].end if held else 0
+
   def durable(self, step: int) -> bool:
     return self.remote_step is not None and self.remote_step >= step
 
