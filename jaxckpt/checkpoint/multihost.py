@@ -24,7 +24,6 @@ whatever process count and mesh wrote the checkpoint.
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import json
 import math
@@ -36,12 +35,9 @@ import jax
 import numpy as np
 
 from . import atomic, layout, shardgrid, shardtable, statefile, traffic
-from .checksum import crc32
-from .directio import pread_into
+from .boxread import Box, fill  # noqa: F401  # fill: a box's buffers from the shards
 from .errors import CheckpointError
 
-Box = tuple[tuple[int, int], ...]  # [start, stop) per dimension, in the global shape
-_READERS = 4
 SHARED_PROBE = '.jaxckpt-shared'  # + '-<token>-<k>': process k's; who sees it shares the directory
 
 
@@ -319,93 +315,6 @@ def unread(meta: Mapping[str, Any], want: Mapping[str, Any], shards: shardtable.
   """The state files a restore of `want` on this process reads nothing from."""
   needed = needed_files(shards, want, jax.process_count(), local=True)
   return set(state_files(meta)) - needed[jax.process_index()]
-
-
-class _Files:
-  """Open state files and their headers, each read once."""
-
-  def __init__(self, step_dir: Path):
-    self.step_dir, self.open = step_dir, {}
-
-  def entry(self, rel: str, tensor: str) -> tuple[int, int, dict]:
-    if rel not in self.open:
-      path = layout.safe_member(self.step_dir, rel)
-      fd = os.open(path, os.O_RDONLY)
-      header_len, entries, _ = statefile.read_header(path, fd)
-      self.open[rel] = (fd, header_len, entries)
-    fd, header_len, entries = self.open[rel]
-    if tensor not in entries:
-      raise CheckpointError('E-CKPT-012', f'{self.step_dir / rel}: {tensor} is not in the file',
-                            statefile.DAMAGED)
-    return fd, header_len, entries[tensor]
-
-  def close(self) -> None:
-    for fd, _, _ in self.open.values():
-      os.close(fd)
-
-
-def fill(step_dir: Path, shards: shardtable.Table, boxes: Mapping[str, dict[Box, Any]],
-         dtypes: Mapping[str, Any], *, checksums: bool) -> None:
-  """Fill each buffer `boxes[array][box]` (a host array of the box's extent) from the shards
-  that overlap it, reading only the byte range of each shard that covers the overlap."""
-  files = _Files(step_dir)
-  jobs = []
-  try:
-    with concurrent.futures.ThreadPoolExecutor(
-        _READERS, thread_name_prefix='jaxckpt-shard') as pool:
-      for array, wanted in boxes.items():
-        dtype = np.dtype(dtypes[array])
-        for box, buf in wanted.items():
-          covered = 0
-          for s in shards.overlapping(array, box):
-            local = [(max(a, b0) - b0, min(b, b0 + n) - b0)
-                     for (a, b), b0, n in zip(box, s['start'], s['shape'])]
-            if any(lo >= hi for lo, hi in local):
-              continue
-            covered += math.prod(hi - lo for lo, hi in local)
-            fd, header_len, entry = files.entry(s['file'], s['tensor'])
-            if entry['shape'] != list(s['shape']) or statefile.DTYPES[entry['dtype']] != dtype:
-              raise CheckpointError(
-                  'E-CKPT-012', f'{step_dir / s["file"]}: {s["tensor"]} is '
-                  f'{entry["dtype"]}{entry["shape"]}, the manifest says {dtype}{s["shape"]}',
-                  statefile.DAMAGED)
-            jobs.append(
-                pool.submit(_read_into, fd, header_len + entry['data_offsets'][0], s, local, box,
-                            buf, dtype, checksums and s.get('crc32')))
-          if covered != math.prod(b - a for a, b in box):
-            raise CheckpointError('E-CKPT-012', f'{step_dir}: the shards of {array} do not cover '
-                                  f'{list(box)}', statefile.DAMAGED)
-      for job in jobs:
-        job.result()
-  finally:
-    files.close()
-
-
-def _read_into(fd, offset, shard, local, box, buf, dtype, expect) -> None:
-  """Read the row-major byte range of `shard` that holds its part `local` into where that part
-  lies in `buf` (whose extent is `box`): straight there when the part is the whole shard and one
-  run of `buf` (a restore on the mesh that saved, a split of leading rows), else through a
-  buffer of the range."""
-  shape = list(shard['shape'])
-  strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
-  first = sum(lo * st for (lo, _), st in zip(local, strides))
-  last = sum((hi - 1) * st for (_, hi), st in zip(local, strides))
-  count = last - first + 1
-  at = tuple(
-      slice(b0 + lo - a, b0 + hi - a) for (lo, hi), b0, (a, _) in zip(local, shard['start'], box))
-  dest = buf[at + (Ellipsis,)]  # a view, of a 0-d buffer too
-  direct = count == math.prod(shape) and dest.flags.c_contiguous
-  raw = dest.reshape(-1).view(np.uint8) if direct else np.empty(count * dtype.itemsize, np.uint8)
-  if pread_into(fd, memoryview(raw), offset + first * dtype.itemsize) < len(raw):
-    raise CheckpointError('E-CKPT-012', f'{shard["file"]}: {shard["tensor"]} ends early',
-                          statefile.DAMAGED)
-  if expect and count == math.prod(shape) and f'{crc32(raw):08x}' != expect:
-    raise CheckpointError(
-        'E-CKPT-003', f'{shard["file"]}: {shard["tensor"]}: checksum '
-        f'mismatch (manifest says {expect})', 'resume from an earlier checkpoint')
-  if not direct:
-    dest[...] = np.lib.stride_tricks.as_strided(
-        raw.view(dtype), [hi - lo for lo, hi in local], [st * dtype.itemsize for st in strides])
 
 
 def restore(step_dir: Path, shards: shardtable.Table, want: Mapping[str, Any], *,
