@@ -84,3 +84,19 @@ def test_a_shard_that_ends_early_is_named(tmp_path, reads):
   finally:
     os.close(fd)
   assert e.value.code == 'E-CKPT-012' and 'w ends early' in e.value.what
+
+
+def test_a_leading_row_longer_than_a_window_is_read_a_dimension_down(tmp_path, reads):
+  data = np.arange(2 * 16 * 64, dtype=np.float32).reshape(2, 16, 64)  # stacked layers' kernels
+  path = tmp_path / 'stacked.bin'
+  path.write_bytes(data.tobytes())
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    buf = np.zeros((2, 16, 32), np.float32)
+    part = {**shard(), 'shape': [2, 16, 64], 'start': [0, 0, 0]}
+    boxread._read_into(fd, 0, part, [(0, 2), (0, 16), (8, 40)], ((0, 2), (0, 16), (8, 40)), buf,
+                       np.dtype(np.float32), None)
+  finally:
+    os.close(fd)
+  assert buf.tobytes() == data[:, :, 8:40].tobytes()
+  assert max(reads) <= 1024, reads  # a layer's range is 3,968 bytes

@@ -4,8 +4,9 @@
 every shard that overlaps it, from the state files the shard table names: each part straight
 into its place when it is the whole shard and one run of the buffer (a restore on the mesh that
 saved, a split of leading rows); otherwise its rows in windows of at most `WINDOW` bytes (each
-window's first-to-last byte range read into one buffer, then placed), so a part of any size
-needs `WINDOW` bytes of host memory besides its place, not a copy of the shard. A whole shard's
+window's first-to-last byte range read into one buffer, then placed; a row longer than that a
+dimension down), so a part of any size needs a window of host memory besides its place, not a
+copy of the shard. A whole shard's
 CRC-32 is checked as it is read, window after window.
 """
 
@@ -91,11 +92,10 @@ def fill(step_dir: Path, shards: shardtable.Table, boxes: Mapping[str, dict[Box,
 
 def _read_into(fd, offset, shard, local, box, buf, dtype, expect) -> None:
   """Read the part `local` of `shard` into where it lies in `buf` (whose extent is `box`):
-  straight there when the part is the whole shard and one run of `buf`, else by windows of rows
-  of its leading dimension, each window's row-major byte range (at most `WINDOW` bytes, or one
-  row's when a row is longer) read into one buffer and placed."""
+  straight there when the part is the whole shard and one run of `buf`, else by windows
+  (`_windows`), each window's row-major byte range (at most `WINDOW` bytes, or one element row
+  of the last dimension's when that is longer) read into one buffer and placed."""
   shape = list(shard['shape'])
-  strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
   at = tuple(
       slice(b0 + lo - a, b0 + hi - a) for (lo, hi), b0, (a, _) in zip(local, shard['start'], box))
   dest = buf[at + (Ellipsis,)]  # a view, of a 0-d buffer too
@@ -104,24 +104,39 @@ def _read_into(fd, offset, shard, local, box, buf, dtype, expect) -> None:
     _read_exact(fd, dest.reshape(-1).view(np.uint8), offset, shard)
     _check(shard, expect, crc32(dest.reshape(-1).view(np.uint8)))
     return
+  crc = _windows(fd, offset, shape, local, dest, dtype, shard, whole, 0)
+  if whole:
+    _check(shard, expect, crc)
+
+
+def _windows(fd, offset, shape, local, dest, dtype, shard, whole, crc) -> int:
+  """Part `local` of the row-major block `shape` at `offset` into `dest` (its extent): rows of
+  the leading dimension a window at a time, or, where one row's range is over `WINDOW`, each row
+  a dimension down. Returns `crc` continued over the bytes read when the part is `whole` (then
+  every read is of whole rows, one after another: the block's bytes in order)."""
+  strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]
   (lo0, hi0), rest = local[0], local[1:]
+  step = strides[0] * dtype.itemsize  # the bytes of one leading row
   # A row's byte range, from the first to the last element of the part in it.
   row = (sum((hi - 1 - lo) * st for (lo, hi), st in zip(rest, strides[1:])) + 1) * dtype.itemsize
-  rows = max(1, min(hi0 - lo0, WINDOW // max(row, strides[0] * dtype.itemsize)))
-  window = np.empty(((rows - 1) * strides[0] * dtype.itemsize + row,), np.uint8)
-  crc = 0
+  if row > WINDOW and rest:
+    for r in range(lo0, hi0):
+      crc = _windows(fd, offset + r * step, shape[1:], rest, dest[r - lo0], dtype, shard, whole,
+                     crc)
+    return crc
+  rows = max(1, min(hi0 - lo0, WINDOW // step))
+  window = np.empty(((rows - 1) * step + row,), np.uint8)
   for r in range(lo0, hi0, rows):
     part = [(r, min(hi0, r + rows))] + rest
     first = sum(lo * st for (lo, _), st in zip(part, strides))
     last = sum((hi - 1) * st for (_, hi), st in zip(part, strides))
     raw = window[:(last - first + 1) * dtype.itemsize]
     _read_exact(fd, raw, offset + first * dtype.itemsize, shard)
-    if whole:  # whole rows, one after another: the shard's bytes in order
+    if whole:
       crc = crc32(raw, crc)
     dest[r - lo0:part[0][1] - lo0] = np.lib.stride_tricks.as_strided(
         raw.view(dtype), [hi - lo for lo, hi in part], [st * dtype.itemsize for st in strides])
-  if whole:
-    _check(shard, expect, crc)
+  return crc
 
 
 def _read_exact(fd, raw: np.ndarray, offset: int, shard) -> None:

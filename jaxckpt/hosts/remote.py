@@ -13,8 +13,8 @@
   step, a stop) is handed over by `finish`, with the records as they are then: its end record
   (`finished`, `interrupted`, `failed`) travels with it, so a machine that starts from the
   remote never takes a clean end for an interruption. After it (within the same grace, at least
-  EVENTS_SECS), process 0 writes the run's events whole to `URL/run/events.jsonl`: the end
-  reaches the remote even when the last checkpoint does not, or was saved before the stop
+  EVENTS_SECS), process 0 writes the run's events past its remote commits' to
+  `URL/run/events.jsonl`: the end reaches the remote even when the last checkpoint does not, or was saved before the stop
   signal came (`remote_start.send_events`). `status.json` shows `remote_step`,
   `remote_lag_steps` and `remote_error`.
 - `finish` gives the upload of the last checkpoint its time: `stop_grace_secs` after a stop

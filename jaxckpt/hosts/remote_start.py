@@ -193,9 +193,9 @@ def _joined(data: bytes, events: bytes) -> bytes | None:
   first, _, rest = data.partition(b'\n')
   try:
     head = json.loads(first)
-  except ValueError:
+  except (ValueError, RecursionError):  # a record, or no JSON: checked as a whole object
     return data
-  if not isinstance(head, dict) or head.get('format') != TAIL:
+  if not isinstance(head, dict) or head.get('format') != TAIL or 'event' in head:
     return data
   start, crc = head.get('start'), head.get('crc32')
   if type(start) is not int or not 0 < start <= len(events) or \
@@ -216,9 +216,14 @@ def later_events(store, events: bytes) -> bytes | None:
     return None
   if data is None or len(data) > MAX_EVENTS_BYTES:
     return None
-  data = _joined(data, events)
-  if data is None or len(data) <= len(events) or not data.startswith(events) or \
-      not events.endswith(b'\n'):
+  joined = _joined(data, events)
+  if joined is None:
+    logging.warning(
+        "passing over %s: it holds the events past another commit's than this "
+        "checkpoint's (%d bytes of events)", store.join(RUN_EVENTS), len(events))
+    return None
+  data = joined
+  if len(data) <= len(events) or not data.startswith(events) or not events.endswith(b'\n'):
     return None
   tail = data[len(events):]
   try:
