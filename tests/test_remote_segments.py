@@ -126,6 +126,36 @@ def test_a_restart_sends_only_what_is_new_and_retention_removes_unnamed_segments
     assert records['loss.jsonl'] == whole[:LINE * step]
 
 
+def test_a_writer_knows_the_events_every_remote_commit_it_knows_holds(store, checkpoints, tmp_path):
+  """`committed_size`: where `URL/run/events.jsonl` starts. After a replay (a restart from an
+  older step), the abandoned future a fresh machine may still download holds fewer events than
+  the replay's commit: the tail starts where both hold them."""
+  record = tmp_path / 'events.jsonl'
+  replayed = tmp_path / 'replayed'  # step 2 again, another commit of it: other weights
+  with CheckpointManager(replayed, CheckpointOptions(every_steps=1, keep=0)) as mgr:
+    mgr.save(2, {'w': jnp.full((64,), 20, jnp.float32)}, {'step': 2})
+
+  def upload(uploader, step, root=checkpoints):
+    with open(record, 'ab') as f:
+      f.write(_line(step))
+    uploader.submit(step, root / layout.step_dirname(step), {'events.jsonl': Appended.of(record)})
+    assert uploader.wait(step, timeout=60), uploader.error
+
+  first = Uploader(store, retention=RetentionPolicy(keep=0))
+  assert first.committed_size('events.jsonl') == 0  # no commit yet
+  for step in range(1, 5):
+    upload(first, step)
+  assert first.committed_size('events.jsonl') == 4 * LINE
+  first.close()
+  again = Uploader(store, retention=RetentionPolicy(keep=0))  # a restart that replays from 2
+  upload(again, 2, replayed)
+  assert again.committed_size('events.jsonl') == 4 * LINE  # step 4's, not the replay's 5 lines
+  assert max(objects.committed(store)) == 4
+  _, records = objects.download(store, 4, tmp_path / 'fresh')
+  assert len(records['events.jsonl']) == 4 * LINE
+  again.close()
+
+
 def _keys(rows):
   return [f'{SEGMENTS}/loss.jsonl/{a:015d}-{b:015d}-{h}' for a, b, h, _ in rows]
 

@@ -129,14 +129,13 @@ class Uploader:
       return {s for s in (self._busy_step, self._pending and self._pending[0]) if s is not None}
 
   def committed_size(self, name: str) -> int:
-    """The bytes of record `name` (sent by segment) that every remote commit this writer knows
-    of holds (its own, and the remote's newest it started from), and its file still holds as
-    they are: the least of them, so a download of any of those steps holds them (a replay's,
-    or the abandoned future's it replays). 0 when it knows of none."""
+    """The bytes of record `name` (sent by segment) that both this writer's last commit and the
+    newest remote step it knows of hold (after a replay, the abandoned future's, which a fresh
+    machine still downloads first), as its file still holds them; 0 when it knows of none."""
     _, held = self._segments.known.get(name, (None, []))
     sizes = [held[-1].end if held else 0]
-    for meta in self._metas.values():
-      want = ((meta or {}).get('records') or {}).get(name)
+    if self._metas:
+      want = ((self._metas[max(self._metas)] or {}).get('records') or {}).get(name)
       size = want.get('size') if isinstance(want, Mapping) else None
       sizes.append(size if type(size) is int and size >= 0 else 0)  # pylint: disable=unidiomatic-typecheck
     return min(sizes)
