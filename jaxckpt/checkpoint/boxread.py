@@ -6,8 +6,7 @@ into its place when it is the whole shard and one run of the buffer (a restore o
 saved, a split of leading rows); otherwise its rows in windows of at most `WINDOW` bytes (each
 window's first-to-last byte range read into one buffer, then placed; a row longer than that a
 dimension down), so a part of any size needs a window of host memory besides its place, not a
-copy of the shard. A whole shard's
-CRC-32 is checked as it is read, window after window.
+copy of the shard. A whole shard's CRC-32 is checked as it is read, window after window.
 """
 
 from __future__ import annotations

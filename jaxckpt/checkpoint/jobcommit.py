@@ -68,7 +68,8 @@ def word(committed_at: float, files: Mapping[str, Any] | None, count: int = 0) -
   parts = np.zeros(count, _PART)
   for k, name in enumerate(names):
     parts[k] = files[name]['size'], int(files[name]['crc32'], 16)
-  others = {n: f for n, f in files.items() if n not in set(names)}
+  listed = set(names)
+  others = {n: f for n, f in files.items() if n not in listed}
   return f'ok {committed_at!r} {json.dumps(others, separators=(",", ":"))} ' \
       f'{base64.b64encode(parts.tobytes()).decode()}'
 

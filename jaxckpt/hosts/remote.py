@@ -14,9 +14,9 @@
   (`finished`, `interrupted`, `failed`) travels with it, so a machine that starts from the
   remote never takes a clean end for an interruption. After it (within the same grace, at least
   EVENTS_SECS), process 0 writes the run's events past its remote commits' to
-  `URL/run/events.jsonl`: the end reaches the remote even when the last checkpoint does not, or was saved before the stop
-  signal came (`remote_start.send_events`). `status.json` shows `remote_step`,
-  `remote_lag_steps` and `remote_error`.
+  `URL/run/events.jsonl`: the end reaches the remote even when the last checkpoint does not, or
+  was saved before the stop signal came (`remote_start.send_events`). `status.json` shows
+  `remote_step`, `remote_lag_steps` and `remote_error`.
 - `finish` gives the upload of the last checkpoint its time: `stop_grace_secs` after a stop
   signal, longer at the end of a run, and says on stderr which step is durable where.
 - Across processes every one checks access and uploads its own part of each checkpoint; process

@@ -21,7 +21,6 @@ object writes a second (doubling every 20 minutes of sustained load) and 5,000 r
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import threading
 import time
@@ -162,6 +161,6 @@ def admit(scheme: str, bucket: str, op: str) -> float:
   with _job.lock:
     if key not in _job.rates:
       per_s = rate_of(scheme, op)
-      _job.rates[key] = None if per_s is None or math.isinf(per_s) else Rate(per_s)
+      _job.rates[key] = None if per_s is None else Rate(per_s)
     rate = _job.rates[key]
   return 0.0 if rate is None else rate.take()

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import CheckpointError
-from .pacing import PACE_SECS, Retries, admit, is_paced, paced, pacing  # noqa: F401
+from .pacing import WRITES, PACE_SECS, Retries, admit, is_paced, paced, pacing  # noqa: F401
 
 SCHEMES = ('s3', 'gs', 'file')
 _URL = re.compile(r'^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://(?P<rest>.*)$')
@@ -243,7 +243,7 @@ class Store:
     while True:
       tries += 1
       try:
-        with pacing(self.url, key if op in ('write', 'delete') else None):
+        with pacing(self.url, key if op in WRITES else None):
           return fn(None if end is None else max(0.0, end - time.monotonic()))
       except (ValueError, RuntimeError, OSError) as e:
         message = str(e) or ('timed out' if isinstance(e, TimeoutError) else repr(e))
