@@ -2,7 +2,9 @@
 # One prepared run on a machine with one accelerator and a fresh Python (see benchmarks/device.py
 # for what it measures; it finishes in under 9 minutes and says what it skipped).
 #
-#   bash benchmarks/device_run.sh [OUT]          # results in OUT (default: device-results/)
+#   bash benchmarks/device_run.sh [OUT] [ARGS]   # results in OUT (default: device-results/)
+#
+# ARGS go to benchmarks/device.py (`--only train,resume`: those steps alone).
 #
 # Packages: with a package registry, `pip install -e '.[cuda12,test]'`. Without one (a machine
 # that reaches nothing), the wheels carried in .whl/ (README, "Running on an accelerator": the
@@ -11,6 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${OUT:-device-results}}"
+shift $(( $# > 0 ? 1 : 0 ))
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
@@ -26,4 +29,4 @@ else
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" -c 'import jax; print("jax", jax.__version__, "on", jax.devices())'
-exec "$PY" -m benchmarks.device --out "$OUT"
+exec "$PY" -m benchmarks.device --out "$OUT" "$@"

@@ -72,7 +72,7 @@ def subprocess_env(cache: Path, devices: int = 1, **extra: str) -> dict[str, str
       JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
       JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='-1',
       JAX_PLATFORMS='cpu',
-      PYTHONPATH=str(REPO))
+      PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get('PYTHONPATH')) if p))
   if devices > 1:
     env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
   env.update(extra)
