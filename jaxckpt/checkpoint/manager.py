@@ -393,7 +393,8 @@ class CheckpointManager:
               target: Any,
               *,
               only: Callable[[str], bool] | None = None,
-              verify: bool = True) -> tuple[Any, dict[str, Any]]:
+              verify: bool = True,
+              meanwhile: Callable[[], Any] | None = None) -> tuple[Any, dict[str, Any]]:
     """Load a committed checkpoint into the structure, shapes, dtypes and shardings of `target`.
 
     `target` is a pytree of `jax.ShapeDtypeStruct` (with `sharding`) or of arrays. Arrays are
@@ -405,6 +406,10 @@ class CheckpointManager:
     `restore(step, {'params': abstract.params}, only=lambda n: n.startswith('params/'))`.
 
     `verify=False` skips checking the files against the manifest, for a caller that just did.
+
+    `meanwhile()` (a compile of the first step) runs on this thread while the state file is read
+    into host memory on another; the arrays go to the devices once both are done. Across
+    processes, or from orbax, the read follows it.
     """
     step_dir = self._resolve(step_or_dir)
     raw, meta = manifest.read_bytes(step_dir)
@@ -431,7 +436,7 @@ class CheckpointManager:
     saved = {t['name']: t for t in meta['tensors'] if only is None or only(t['name'])}
     check_fits(step_dir, saved, want)
     how = {'checksums': checksums, 'verify': verify, 'partial': only is not None, 'shards': shards}
-    restored = reading.read_arrays(step_dir, meta, want, **how)
+    restored = reading.read_arrays(step_dir, meta, want, meanwhile=meanwhile, **how)
     leaves = [restored[n] for n in want]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
     return state, atomic.read_json(step_dir / layout.RUN_STATE)

@@ -3,14 +3,17 @@
 - Across processes, or from several state files: each process reads the byte ranges of its
   own shards (`multihost.restore`).
 - One safetensors file: read in runs of tensors, each run placed on the devices as soon as it is
-  read, overlapping the next reads.
+  read, overlapping the next reads. Or, given something to do `meanwhile` (the caller's compile of
+  its first step), read whole into host memory on a thread of its own while the caller does it,
+  then placed: the read and its page faults cost the start nothing when the compile is longer.
 - Orbax: tensorstore reads what each device needs.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
@@ -34,23 +37,71 @@ def shard_rows(step_dir: Path, raw: bytes, meta: Mapping[str, Any], *,
   return shardtable.shard_table(step_dir, meta, single)
 
 
-def read_arrays(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any], *,
-                checksums: bool, verify: bool, partial: bool,
-                shards: shardtable.Table | None) -> dict[str, jax.Array]:
+def read_arrays(step_dir: Path,
+                meta: Mapping[str, Any],
+                want: Mapping[str, Any],
+                *,
+                checksums: bool,
+                verify: bool,
+                partial: bool,
+                shards: shardtable.Table | None,
+                meanwhile: Callable[[], Any] | None = None) -> dict[str, jax.Array]:
   """{name: array} of the tensors `want` names (each a `ShapeDtypeStruct` with its sharding or
   an array). `verify=False`: the caller's check just read the file (no direct I/O needed).
-  `shards`: `shard_rows`'s answer; given, each process reads the byte ranges of its shards."""
+  `shards`: `shard_rows`'s answer; given, each process reads the byte ranges of its shards.
+  `meanwhile` runs on this thread while one state file is read on another (see the module's
+  docstring); before the read when the checkpoint is not one file on one process."""
   single = data_file(meta)
+  if meanwhile is not None and (shards is not None or not single):
+    meanwhile()  # these reads place as they go, across processes too: on this thread, after it
   if shards is not None:
     return multihost.restore(step_dir, shards, want, checksums=checksums)
-  if single:
+  if not single:
+    return orbaxstore.restore(step_dir / layout.STATE_DIR, want, partial=partial)
 
-    def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-      # One batched call per run (andrea_12m's 233 leaves: 6 ms batched, 9 ms one device_put
-      # per leaf).
-      return dict(
-          zip(arrays, jax.device_put(list(arrays.values()), [want[n].sharding for n in arrays])))
+  def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    # One batched call per run (andrea_12m's 233 leaves: 6 ms batched, 9 ms one device_put
+    # per leaf).
+    return dict(
+        zip(arrays, jax.device_put(list(arrays.values()), [want[n].sharding for n in arrays])))
 
+  if meanwhile is None:
     return read_state_file(
         step_dir, meta, list(want), checksums=checksums, place=place, direct=verify)
-  return orbaxstore.restore(step_dir / layout.STATE_DIR, want, partial=partial)
+  nbytes = meta['files'][single]['size']
+  # A daemon: a caller that fails `meanwhile` and exits does not wait for a read it dropped.
+  reader = _Reader(lambda: read_state_file(
+      step_dir, meta, list(want), checksums=checksums, place=None, direct=verify))
+  meanwhile()
+  return place(reader.result(READ_WAIT_SECS + nbytes / READ_WAIT_BYTES_PER_SEC, step_dir / single))
+
+
+# A read in the background that has not finished after this is stuck (a hung mount): 20 MB/s.
+READ_WAIT_SECS, READ_WAIT_BYTES_PER_SEC = 120, 20e6
+
+
+class _Reader:
+  """`read()` on a thread of its own (no jax there: the placing is the caller's)."""
+
+  def __init__(self, read: Callable[[], dict[str, np.ndarray]]):
+    self._value, self._error = None, None
+
+    def run():
+      try:
+        self._value = read()
+      except BaseException as e:  # pylint: disable=broad-except  # raised in the caller's thread
+        self._error = e
+
+    self._thread = threading.Thread(target=run, name='jaxckpt-restore', daemon=True)
+    self._thread.start()
+
+  def result(self, timeout: float, path: Path) -> dict[str, np.ndarray]:
+    self._thread.join(timeout)
+    if self._thread.is_alive():
+      raise CheckpointError(
+          'E-CKPT-017', f'reading {path} in the background (thread {self._thread.name}) '
+          f'had not finished after {timeout:.0f} s', 'check that disk (a hung mount), '
+          'or restore without meanwhile')
+    if self._error is not None:
+      raise self._error  # the read's own error (a damaged file: E-CKPT-003), as without a thread
+    return self._value

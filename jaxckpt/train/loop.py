@@ -337,7 +337,7 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
   agree = agreement.Agreement(watcher, step, clocked=mgr.options.every_secs > 0)
   # A stop within two step times, whatever log_every is (`StepsInFlight`).
   in_flight = StepsInFlight(config.train.get('max_steps_in_flight', 2))
-  if step < total:  # the first step waits for it: minutes for a large model on a CPU
+  if step < total and not trainer.step_compiled:  # minutes for a large model on a CPU
     logging.info('compiling the train step...')
   while step < total and agree.stop_signal is None:
     arm = session.bandit.choose(step)

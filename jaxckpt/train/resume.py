@@ -251,8 +251,12 @@ def _restore(session: Session, resume_dir: Path,
     arrays = _read_init_file(session, pin)
   if new_pin:  # else the checkpoints this run writes hold every parameter
     session.file_frozen = {n: x for n, x in arrays.items() if n in session.frozen_params}
+  # The first step compiles here while the checkpoint is read: a restart waits for the longer
+  # of the two, not both.
+  compile_step = session.trainer.compile_train_step
+  logging.info('compiling the train step while the checkpoint is read...')
   if not left_out:
-    state, run_state = session.mgr.restore(resume_dir, abstract)
+    state, run_state = session.mgr.restore(resume_dir, abstract, meanwhile=compile_step)
     return state, run_state, None
   leaves = named_leaves(abstract)
   dotted = lambda leaf: (names.param_of_leaf(leaf) or ('', leaf))[1]
@@ -262,8 +266,8 @@ def _restore(session: Session, resume_dir: Path,
         'E-LOAD-001', f'{resume_dir} does not hold {", ".join(unreadable[:5])} '
         'and its pinned init_from file does not either', 'resume from a checkpoint '
         'that holds them, or start a new --workdir')
-  restored, run_state = session.mgr.restore(resume_dir,
-                                            {n: x for n, x in leaves.items() if n not in left_out})
+  restored, run_state = session.mgr.restore(
+      resume_dir, {n: x for n, x in leaves.items() if n not in left_out}, meanwhile=compile_step)
   for name in left_out:
     value = arrays[dotted(name)]
     restored[name] = jax.make_array_from_callback(

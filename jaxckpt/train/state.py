@@ -84,12 +84,25 @@ class Trainer:
   eval_step: Callable[[Any, tuple], jax.Array]
   nonfinite_counts: Callable[[TrainState], Any]
   sample: Callable[[Any, jax.Array, jax.Array], jax.Array]
+  step_compiled: bool = False  # `compile_train_step` ran: the first step does not compile
 
   def abstract_state(self) -> TrainState:
     """ShapeDtypeStructs with shardings: the target a checkpoint is restored into."""
     shapes = jax.eval_shape(self.init_fn, jax.random.key(0))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                         self.state_shardings)
+
+  def compile_train_step(self) -> None:
+    """Compile `train_step` for this config's batch now, ahead of the first step (while a
+    restore reads the checkpoint): the first call then finds it compiled. The abstract inputs
+    carry the shardings the loop's own have; without them the first call compiles again."""
+    if self.step_compiled:
+      return
+    sh = sharding.batch_sharding(self.mesh)
+    shape = (self.config.train.batch_size, self.config.model.block_size)
+    batch = (jax.ShapeDtypeStruct(shape, np.int32, sharding=sh),) * 2
+    self.train_step.lower(self.abstract_state(), batch).compile()
+    self.step_compiled = True
 
   def put_batch(self, batch: tuple[np.ndarray, np.ndarray]) -> tuple[jax.Array, jax.Array]:
     sh = sharding.batch_sharding(self.mesh)

@@ -1,0 +1,149 @@
+"""A restart reads its checkpoint while the first step compiles (`restore(..., meanwhile=...)`).
+
+The state file is read into host memory on a thread of its own while `meanwhile` runs on the
+caller's (the trainer compiles its train step there), and the arrays go to the devices after
+both: a restart waits for the longer of the two, not their sum. Here: the read finishes while
+`meanwhile` is still running, the arrays are the saved bytes, a damaged file and a stuck read
+are each named, and the compiled train step is the one the first step runs.
+"""
+
+import logging
+import threading
+
+import jax
+import numpy as np
+import pytest
+from conftest import TINY, flip_a_data_byte
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxckpt.checkpoint import CheckpointError, CheckpointManager, CheckpointOptions, reading
+
+
+def _state():
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'model'))
+  rng = np.random.default_rng(0)
+  return {
+      'w':
+          jax.device_put(
+              rng.standard_normal((64, 32), np.float32), NamedSharding(mesh, P('data', 'model'))),
+      'b':
+          jax.device_put(rng.standard_normal((32,)).astype(np.float16), NamedSharding(mesh, P())),
+      'step':
+          jax.device_put(np.int32(7), NamedSharding(mesh, P())),
+  }
+
+
+def _abstract(state):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+@pytest.fixture
+def saved(tmp_path):
+  state = _state()
+  with CheckpointManager(tmp_path / 'ckpt', CheckpointOptions(mode='sync')) as mgr:
+    mgr.save(1, state)
+  return tmp_path / 'ckpt', state
+
+
+@pytest.fixture
+def read_done(monkeypatch):
+  """Set when the restore's read of the state file returns (the real read, watched)."""
+  done = threading.Event()
+  real = reading.read_state_file
+
+  def watched(*args, **kwargs):
+    try:
+      return real(*args, **kwargs)
+    finally:
+      done.set()
+
+  monkeypatch.setattr(reading, 'read_state_file', watched)
+  return done
+
+
+def test_the_file_is_read_while_meanwhile_runs_and_restores_the_saved_bytes(saved, read_done):
+  directory, state = saved
+  ran = []
+
+  def meanwhile():
+    ran.append(threading.get_ident())
+    # A read that waited for this to return would never finish in here.
+    assert read_done.wait(30), 'the state file was not read while meanwhile ran'
+
+  with CheckpointManager(directory) as mgr:
+    restored, run_state = mgr.restore(1, _abstract(state), meanwhile=meanwhile)
+  assert ran == [threading.get_ident()]  # once, on the caller's thread
+  assert run_state['step'] == 1
+  for name, x in state.items():
+    assert restored[name].sharding == x.sharding
+    assert np.asarray(restored[name]).tobytes() == np.asarray(x).tobytes()
+
+
+def test_a_damaged_state_file_is_named_after_meanwhile(saved):
+  directory, state = saved
+  flip_a_data_byte(directory / 'step_00000001')
+  ran = []
+  with CheckpointManager(directory) as mgr, pytest.raises(CheckpointError) as e:
+    mgr.restore(1, _abstract(state), meanwhile=lambda: ran.append(1))
+  assert e.value.code == 'E-CKPT-003' and ran == [1]
+
+
+def test_an_error_of_meanwhile_is_raised_as_it_is(saved):
+  directory, state = saved
+
+  def meanwhile():
+    raise ValueError('the compile failed')
+
+  with CheckpointManager(directory) as mgr, pytest.raises(ValueError, match='compile failed'):
+    mgr.restore(1, _abstract(state), meanwhile=meanwhile)
+
+
+def test_a_read_that_does_not_finish_is_named_with_its_thread(saved, monkeypatch):
+  directory, state = saved
+  release = threading.Event()
+  real = reading.read_state_file
+
+  def stuck(*args, **kwargs):  # a hung mount: the read returns when the test lets it
+    release.wait(60)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(reading, 'read_state_file', stuck)
+  monkeypatch.setattr(reading, 'READ_WAIT_SECS', 0.5)
+  monkeypatch.setattr(reading, 'READ_WAIT_BYTES_PER_SEC', 1e18)
+  try:
+    with CheckpointManager(directory) as mgr, pytest.raises(CheckpointError) as e:
+      mgr.restore(1, _abstract(state), meanwhile=lambda: None)
+  finally:
+    release.set()
+  assert e.value.code == 'E-CKPT-017'
+  assert 'jaxckpt-restore' in str(e.value) and 'state' in str(e.value)
+
+
+def test_orbax_storage_runs_meanwhile_before_its_read(tmp_path):
+  state = _state()
+  with CheckpointManager(tmp_path, CheckpointOptions(mode='sync', storage='orbax')) as mgr:
+    mgr.save(1, state)
+    ran = []
+    restored, _ = mgr.restore(1, _abstract(state), meanwhile=lambda: ran.append(1))
+  assert ran == [1]
+  assert np.asarray(restored['w']).tobytes() == np.asarray(state['w']).tobytes()
+
+
+def test_the_first_step_after_compile_train_step_compiles_nothing(caplog):
+  from jaxckpt.model import data as data_lib
+  from jaxckpt.records import provenance
+  from jaxckpt.train.state import build_trainer
+  config = provenance.load_config_file(TINY)
+  trainer = build_trainer(config, jax.devices()[:1])
+  state = trainer.init_fn(jax.random.key(0))
+  batch = trainer.put_batch(data_lib.from_config(config).batch(0))
+  trainer.compile_train_step()
+  assert trainer.step_compiled
+  jax.config.update('jax_log_compiles', True)
+  try:
+    with caplog.at_level(logging.DEBUG):
+      jax.block_until_ready(trainer.train_step(state, batch))
+  finally:
+    jax.config.update('jax_log_compiles', False)
+  assert not [r.getMessage()[:80] for r in caplog.records if 'jit(train_step)' in r.getMessage()]
