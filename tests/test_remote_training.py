@@ -70,6 +70,10 @@ def test_a_fresh_machine_continues_from_the_remote_bit_exactly(trainer, straight
   fresh = tmp_path / 'vm2'
   assert [e['step'] for e in events_of(fresh, 'fetched')] == [at_kill]
   assert [e['step'] for e in events_of(fresh, 'resumed')] == [at_kill]
+  # The checkpoint came down while the first step compiled: nothing was left to compile after.
+  assert f'fetching step {at_kill} from {url} ' in again.stderr
+  assert 'while the train step compiles' in again.stderr
+  assert 'compiling the train step' not in again.stderr
   assert_same_bytes(checkpoint_arrays(fresh, STEPS), checkpoint_arrays(straight, STEPS))
   assert losses(fresh) == losses(straight)  # the loss history came down with the checkpoint
   assert sorted(losses(fresh)) == list(range(1, STEPS + 1))

@@ -1,4 +1,5 @@
-"""A restart reads its checkpoint while the first step compiles (`restore(..., meanwhile=...)`).
+"""A restart reads its checkpoint while the first step compiles (`restore(..., meanwhile=...)`),
+and a fresh machine downloads it meanwhile (`remote_start.fetch_step`).
 
 The state file is read into host memory on a thread of its own while `meanwhile` runs on the
 caller's (the trainer compiles its train step there), and the arrays go to the devices after
@@ -9,6 +10,7 @@ are each named, and the compiled train step is the one the first step runs.
 
 import logging
 import threading
+import time
 
 import jax
 import numpy as np
@@ -147,3 +149,65 @@ def test_the_first_step_after_compile_train_step_compiles_nothing(caplog):
   finally:
     jax.config.update('jax_log_compiles', False)
   assert not [r.getMessage()[:80] for r in caplog.records if 'jit(train_step)' in r.getMessage()]
+
+
+def _progress():
+  """What a download reports its bytes to (`objects.download`'s `progress`)."""
+  from jaxckpt.hosts.remote_start import _Progress
+  return _Progress(5)
+
+
+def test_a_download_beside_the_compile_returns_its_result_or_its_error():
+  from jaxckpt.checkpoint.remote import StoreError
+  from jaxckpt.hosts.remote_start import _beside
+  progress = _progress()
+  done = threading.Event()
+
+  def download():
+    progress(1, 2)
+    assert done.wait(30)  # still running while meanwhile runs
+    progress(2, 2)
+    return 'path'
+
+  assert _beside(download, done.set, progress, 'step 5') == 'path'
+
+  def failing():
+    raise StoreError('E-STORE-008', 'the store failed')
+
+  with pytest.raises(StoreError, match='the store failed'):
+    _beside(failing, lambda: None, progress, 'step 5')
+
+
+def test_a_failed_compile_waits_for_the_download_then_is_raised():
+  from jaxckpt.hosts.remote_start import _beside
+  progress = _progress()
+  finished = threading.Event()
+
+  def download():
+    time.sleep(0.3)
+    finished.set()
+
+  def meanwhile():
+    raise ValueError('the compile failed')
+
+  with pytest.raises(ValueError, match='compile failed'):
+    _beside(download, meanwhile, progress, 'step 5')
+  assert finished.is_set()  # no download left running behind the error
+
+
+def test_a_download_that_moves_no_byte_is_named(monkeypatch):
+  from jaxckpt.checkpoint.remote import StoreError
+  from jaxckpt.hosts import remote_start
+  monkeypatch.setattr(remote_start, 'STALL_SECS', 0.5)
+  progress = _progress()
+  release = threading.Event()
+  progress(3_000_000, 8_000_000)
+  try:
+    with pytest.raises(StoreError) as e:
+      remote_start._beside(lambda: release.wait(30), lambda: None, progress,
+                           'step 5 from s3://bucket/run')
+  finally:
+    release.set()
+  assert e.value.code == 'E-STORE-016'
+  assert 'step 5 from s3://bucket/run' in str(e.value) and 'jaxckpt-fetch' in str(e.value)
+  assert '3.0 of 8.0 MB' in str(e.value)

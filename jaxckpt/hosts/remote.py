@@ -144,10 +144,13 @@ class RemoteRun:
                 *,
                 resume: str = 'latest',
                 fetch: bool = True,
-                local_too: bool = True) -> None:
+                local_too: bool = True,
+                meanwhile: Callable[[], Any] | None = None) -> None:
     """Brings the workdir to the newest intact checkpoint of either tier, or refuses to start
-    (`remote_start.sync_down`). Without `fetch` it only learns the remote's newest step."""
-    remote_start.sync_down(self, ckpt_dir, resume=resume, fetch=fetch, local_too=local_too)
+    (`remote_start.sync_down`). Without `fetch` it only learns the remote's newest step. A
+    download runs beside `meanwhile()` (the first step's compile)."""
+    remote_start.sync_down(
+        self, ckpt_dir, resume=resume, fetch=fetch, local_too=local_too, meanwhile=meanwhile)
 
   def resume_point(self, ckpt_dir: Path) -> Path | None:
     """Where each host's workdir is its own disk and the peer restore found nothing whole: the

@@ -22,9 +22,10 @@ of either tier, before the workdir's records are opened (a download replaces the
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 
@@ -42,12 +43,19 @@ TAIL = 'jaxckpt.events-tail'  # its first line's format when it holds the events
 MAX_EVENTS_BYTES = MAX_MANIFEST_BYTES  # what is read of it, at most (a long run's: megabytes)
 
 
-def sync_down(run, ckpt_dir: Path, *, resume: str, fetch: bool, local_too: bool = True) -> None:
+def sync_down(run,
+              ckpt_dir: Path,
+              *,
+              resume: str,
+              fetch: bool,
+              local_too: bool = True,
+              meanwhile: Callable[[], Any] | None = None) -> None:
   """Brings the workdir of `run` (a `RemoteRun`) to the newest intact checkpoint of either tier
   and sets `run.start_step` (the newest intact remote step). Without `fetch` (a start that names
   its resume point, or a process that waits for process 0's download) it only learns that.
   Without `local_too` the remote's newest is downloaded whatever this workdir holds (each
-  host's own disk, where the processes hold different checkpoints)."""
+  host's own disk, where the processes hold different checkpoints). A download runs beside
+  `meanwhile()` (the first step's compile; see `fetch_step`)."""
   url = run.store.url
   local, _ = discovery.latest_intact(ckpt_dir, checksums=False) if local_too else (None, [])
   local_step = layout.parse_step(local.name) if local is not None else None
@@ -70,7 +78,7 @@ def sync_down(run, ckpt_dir: Path, *, resume: str, fetch: bool, local_too: bool 
     if not fetch or (local_step is not None and local_step >= step):
       return
     try:
-      fetch_step(run, step, ckpt_dir, local_step)
+      fetch_step(run, step, ckpt_dir, local_step, meanwhile=meanwhile)
       return
     except StoreError:
       raise  # the store failed: starting without the remote's newest would fork the run
@@ -92,13 +100,26 @@ def fetch_step(run,
                ckpt_dir: Path,
                local_step: int | None,
                *,
-               records: bool = True) -> Path:
+               records: bool = True,
+               meanwhile: Callable[[], Any] | None = None) -> Path:
   """Downloads remote step `step` into `ckpt_dir` (replacing a local copy of it) and, with
-  `records`, the run's records of that step into the workdir; sets `run.fetched`."""
+  `records`, the run's records of that step into the workdir; sets `run.fetched`.
+
+  With `meanwhile`, the download runs on a thread of its own (`jaxckpt-fetch`: the store's
+  requests, the disk) while `meanwhile()` runs on this one: a fresh machine compiles its first
+  step while the checkpoint comes down, and waits for the longer of the two. A download that
+  moves no byte for `STALL_SECS` (every request's own timeouts and retries past) is E-STORE-016.
+  """
   t0 = time.monotonic()
-  logging.info('fetching step %d from %s (the newest intact checkpoint%s)', step, run.store.url,
-               f'; local has {local_step}' if local_step is not None else '')
-  path, got = objects.download(run.store, step, ckpt_dir, progress=_Progress(step))
+  logging.info('fetching step %d from %s (the newest intact checkpoint%s)%s', step, run.store.url,
+               f'; local has {local_step}' if local_step is not None else '',
+               ' while the train step compiles' if meanwhile is not None else '')
+  progress = _Progress(step)
+  download = lambda: objects.download(run.store, step, ckpt_dir, progress=progress)
+  if meanwhile is None:
+    path, got = download()
+  else:
+    path, got = _beside(download, meanwhile, progress, f'step {step} from {run.store.url}')
   taken, added = take_records(run, step, got) if records else ([], 0)
   run.fetched = fetched(run, step, sum(p.stat().st_size for p in path.rglob('*') if p.is_file()),
                         time.monotonic() - t0, taken, added)
@@ -238,13 +259,56 @@ def later_events(store, events: bytes) -> bytes | None:
   return data
 
 
+# No byte of a download beside a compile for this long: stuck. Each request gives up on its own
+# well before (no connection in 20 s, under 1 byte/s for 30 s; 3 retries), so this is a backstop.
+STALL_SECS = 300
+
+
+def _beside(download: Callable[[], Any], meanwhile: Callable[[], Any], progress: '_Progress',
+            what: str) -> Any:
+  """`download()` on a thread of its own while `meanwhile()` runs here; its result, or its
+  error. The thread is waited for even when `meanwhile` fails: no download left running."""
+  out: dict[str, Any] = {}
+
+  def run():
+    try:
+      out['value'] = download()
+    except BaseException as e:  # pylint: disable=broad-except  # raised in the caller's thread
+      out['error'] = e
+
+  thread = threading.Thread(target=run, name='jaxckpt-fetch', daemon=True)
+  thread.start()
+  failed = None
+  try:
+    meanwhile()
+  except BaseException as e:  # pylint: disable=broad-except  # raised once the download ended
+    failed = e
+  while thread.is_alive():
+    thread.join(1)
+    if thread.is_alive() and time.monotonic() - progress.moved > STALL_SECS:
+      if failed is not None:
+        raise failed
+      raise StoreError(
+          'E-STORE-016', f'the download of {what} (thread {thread.name}) moved no byte for '
+          f'{STALL_SECS} s ({progress.done / 1e6:.1f} of {progress.total / 1e6:.1f} MB)',
+          'check the store and the network, then run the same command again',
+          kind='timeout')
+  if failed is not None:
+    raise failed
+  if 'error' in out:
+    raise out['error']
+  return out['value']
+
+
 class _Progress:
-  """Logs a long download's progress every 10 seconds."""
+  """Logs a long download's progress every 10 seconds; when a byte last came (`moved`)."""
 
   def __init__(self, step: int):
     self.step, self.last = step, time.monotonic()
+    self.moved, self.done, self.total = self.last, 0, 0
 
   def __call__(self, done: int, total: int) -> None:
+    self.moved, self.done, self.total = time.monotonic(), done, total
     if time.monotonic() - self.last >= 10:
       self.last = time.monotonic()
       logging.info('fetching step %d: %.0f%% of %.1f MB', self.step, 100 * done / max(total, 1),

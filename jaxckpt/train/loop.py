@@ -139,8 +139,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           'holds only its part of a checkpoint)', 'use --resume=latest: the run resumes from '
           'the newest checkpoint of --remote')
     replicas = config.checkpoint.get('replicas', 0)
-    own_disks = remote is not None and not shared  # the peer tier restores: it needs shardings
-    trainer = build_trainer(config) if replicas or own_disks else None
+    # With --remote (or --replicas, checked below), built now: each host's own disk (the peer
+    # tier) restores with its shardings, and a download runs beside the first step's compile.
+    trainer = build_trainer(config) if remote is not None or replicas else None
     if replicas:
       peer_start.check(
           replicas,
@@ -151,9 +152,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           part_bytes=tree_nbytes(trainer.abstract_state()) // distributed.current().count,
           keep=config.checkpoint.keep)
     # A newer remote checkpoint (and its records) comes down; the others wait for process 0's.
+    # One process alone compiles its first step meanwhile (across processes the others would wait
+    # for that compile too, within the barrier's timeout).
+    alone = distributed.current().count == 1
     distributed.together(
         'remote_synced', lambda: remote and remote.sync_down(
-            ckpt_dir, resume=resume, fetch=resume == 'latest' and distributed.leader() and shared))
+            ckpt_dir,
+            resume=resume,
+            fetch=resume == 'latest' and distributed.leader() and shared,
+            meanwhile=trainer.compile_train_step if alone else None))
     if shared or resume != 'latest':
       resume_dir = distributed.together('resume_point',
                                         lambda: resume_lib.find_resume_point(resume, ckpt_dir))

@@ -254,7 +254,8 @@ def _restore(session: Session, resume_dir: Path,
   # The first step compiles here while the checkpoint is read: a restart waits for the longer
   # of the two, not both.
   compile_step = session.trainer.compile_train_step
-  logging.info('compiling the train step while the checkpoint is read...')
+  if not session.trainer.step_compiled:  # it may have been, while the checkpoint came down
+    logging.info('compiling the train step while the checkpoint is read...')
   if not left_out:
     state, run_state = session.mgr.restore(resume_dir, abstract, meanwhile=compile_step)
     return state, run_state, None
