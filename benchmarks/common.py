@@ -16,6 +16,8 @@ import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -128,6 +130,22 @@ class Timer:
 
   def __exit__(self, *exc):
     self.seconds = time.perf_counter() - self._start
+
+
+def child_row(module: str, config: str, variant: str, where: str, env=None) -> dict:
+  """Runs `python -m <module> --config=C --child=VARIANT --where=W` (a fresh process measuring one
+  variant) and returns the JSON row it prints last; a child that fails ends the benchmark."""
+  done = subprocess.run([
+      sys.executable, '-m', module, f'--config={config}', f'--child={variant}', f'--where={where}'
+  ],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=1800,
+                        check=False)
+  if done.returncode:
+    raise SystemExit(f'{variant}: child failed:\n{done.stderr[-3000:]}')
+  return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def timed(fn, repeats: int = 3) -> list[float]:

@@ -65,6 +65,9 @@ def main(argv=None) -> int:
   work = Path(tempfile.mkdtemp(prefix='jaxckpt-device-'))
   try:
     only = set(args.only.split(',')) if args.only else None
+    if only and only - set(STEPS):
+      parser.error(f'--only: no step {", ".join(sorted(only - set(STEPS)))} (steps: '
+                   f'{", ".join(STEPS)})')
     steps = [('device', 20, describe_device), ('tests', 120, run_tests, env, out),
              ('train', 200, train_on_off, env, work, args.config, args.steps),
              ('resume', 150, kill_and_resume, env, work, args.config, args.steps),
@@ -152,7 +155,9 @@ def describe_device() -> dict:
 
 
 def run_tests(env: dict, out: Path) -> dict:
-  tests = ['tests/test_device_staging.py', 'tests/test_statefile.py']
+  tests = [
+      'tests/test_device_staging.py', 'tests/test_statefile.py', 'tests/test_restore_compile.py'
+  ]
   r = subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', *tests],
                      cwd=REPO,
                      env=env,

@@ -12,8 +12,8 @@
 # the rest. Nothing here assumes a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-${OUT:-device-results}}"
-shift $(( $# > 0 ? 1 : 0 ))
+OUT="${OUT:-device-results}"
+if [ $# -gt 0 ] && [ "${1#--}" = "$1" ]; then OUT="$1"; shift; fi  # OUT, unless a flag comes first
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1

@@ -26,14 +26,12 @@ import json
 import mmap
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-from benchmarks.common import print_table, write_results
+from benchmarks.common import child_row, print_table, write_results
 
 VARIANTS = ('jaxckpt restore', 'pread, 4 KiB pages', 'pread, huge pages', 'pread, touched')
 COLUMNS = ['config', 'variant', 'bytes', 'seconds', 'gb_per_s', 'vs_touched', 'runs']
@@ -118,17 +116,7 @@ def main(argv=None) -> None:
     got = {v: [] for v in VARIANTS}
     for _ in range(args.repeats):  # alternating: drift in the machine's load falls on every row
       for variant in VARIANTS:
-        done = subprocess.run([
-            sys.executable, '-m', 'benchmarks.restore_buffers', f'--config={args.config}',
-            f'--child={variant}', f'--where={where}'
-        ],
-                              capture_output=True,
-                              text=True,
-                              timeout=1800,
-                              check=False)
-        if done.returncode:
-          raise SystemExit(f'{variant}: child failed:\n{done.stderr[-3000:]}')
-        got[variant].append(json.loads(done.stdout.strip().splitlines()[-1]))
+        got[variant].append(child_row('benchmarks.restore_buffers', args.config, variant, where))
         print(json.dumps(got[variant][-1]), flush=True)
   touched = statistics.median(r['seconds'] for r in got['pread, touched'])
   rows = []

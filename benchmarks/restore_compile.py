@@ -35,13 +35,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import print_table, write_results
+from benchmarks.common import child_row, print_table, write_results
 from benchmarks.restore_buffers import _state_file, _warm, _write
 
 VARIANTS = ('restore, then compile', 'restore while compiling')
@@ -123,21 +121,6 @@ def _upload(where: str, url: str) -> None:
     uploader.close()
 
 
-def _run_child(args, variant: str, env: dict, where: str) -> dict:
-  done = subprocess.run([
-      sys.executable, '-m', 'benchmarks.restore_compile', f'--config={args.config}',
-      f'--child={variant}', f'--where={where}'
-  ],
-                        env=env,
-                        capture_output=True,
-                        text=True,
-                        timeout=1800,
-                        check=False)
-  if done.returncode:
-    raise SystemExit(f'{variant}: child failed:\n{done.stderr[-3000:]}')
-  return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   ap.add_argument('--config', default='120m')
@@ -154,14 +137,15 @@ def main(argv=None) -> None:
   got, server = {}, None
   with tempfile.TemporaryDirectory(dir=args.scratch) as where:
     _write(args.config, where)
-    env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_COMPILATION_CACHE')}
-    cold = {**env, 'JAX_ENABLE_COMPILATION_CACHE': 'false'}
-    if args.remote:
+    if args.remote:  # the server's endpoint and credentials go into the environment
       from benchmarks.remote import BUCKET, Server
       server = Server()
       url = f's3://{BUCKET}/restore-compile'
       _upload(where, url)
-      modes, variants, target = {'cold': {**os.environ, **cold}}, REMOTE_VARIANTS, url
+    env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_COMPILATION_CACHE')}
+    cold = {**env, 'JAX_ENABLE_COMPILATION_CACHE': 'false'}
+    if args.remote:
+      modes, variants, target = {'cold': cold}, REMOTE_VARIANTS, url
     else:
       cache = os.path.join(where, 'jax-cache')
       cached = {
@@ -173,7 +157,11 @@ def main(argv=None) -> None:
       for repeat in range(args.repeats + 1):  # the first round fills the caches; not counted
         for mode, mode_env in modes.items():
           for variant in variants:
-            row = {**_run_child(args, variant, mode_env, target), 'compile': mode}
+            row = {
+                **child_row('benchmarks.restore_compile', args.config, variant, target, mode_env),
+                'compile':
+                    mode
+            }
             print(json.dumps(row), flush=True)
             if repeat:
               got.setdefault((mode, variant), []).append(row)

@@ -22,8 +22,14 @@ from jax.sharding import PartitionSpec as P
 from jaxckpt.checkpoint import CheckpointError, CheckpointManager, CheckpointOptions, reading
 
 
+def _mesh_shape() -> tuple[int, int]:
+  """Data x model over the 8 CPU devices the tests see; one accelerator alone as (1, 1)."""
+  count = len(jax.devices())
+  return (count // 2, 2) if count % 2 == 0 else (count, 1)
+
+
 def _state():
-  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('data', 'model'))
+  mesh = Mesh(np.array(jax.devices()).reshape(_mesh_shape()), ('data', 'model'))
   rng = np.random.default_rng(0)
   return {
       'w':
@@ -122,13 +128,20 @@ def test_a_read_that_does_not_finish_is_named_with_its_thread(saved, monkeypatch
   assert 'jaxckpt-restore' in str(e.value) and 'state' in str(e.value)
 
 
-def test_orbax_storage_runs_meanwhile_before_its_read(tmp_path):
+def test_orbax_storage_runs_meanwhile_before_its_read(tmp_path, monkeypatch):
   state = _state()
+  order = []
+  real = reading.orbaxstore.restore
+
+  def watched(*args, **kwargs):
+    order.append('read')
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(reading.orbaxstore, 'restore', watched)
   with CheckpointManager(tmp_path, CheckpointOptions(mode='sync', storage='orbax')) as mgr:
     mgr.save(1, state)
-    ran = []
-    restored, _ = mgr.restore(1, _abstract(state), meanwhile=lambda: ran.append(1))
-  assert ran == [1]
+    restored, _ = mgr.restore(1, _abstract(state), meanwhile=lambda: order.append('meanwhile'))
+  assert order == ['meanwhile', 'read']
   assert np.asarray(restored['w']).tobytes() == np.asarray(state['w']).tobytes()
 
 
@@ -137,7 +150,9 @@ def test_the_first_step_after_compile_train_step_compiles_nothing(caplog):
   from jaxckpt.records import provenance
   from jaxckpt.train.state import build_trainer
   config = provenance.load_config_file(TINY)
-  trainer = build_trainer(config, jax.devices()[:1])
+  with config.unlocked():  # the data and the model split over the 8 devices
+    config.mesh.data, config.mesh.model = _mesh_shape()
+  trainer = build_trainer(config)
   state = trainer.init_fn(jax.random.key(0))
   batch = trainer.put_batch(data_lib.from_config(config).batch(0))
   trainer.compile_train_step()
@@ -161,15 +176,19 @@ def test_a_download_beside_the_compile_returns_its_result_or_its_error():
   from jaxckpt.checkpoint.remote import StoreError
   from jaxckpt.hosts.remote_start import _beside
   progress = _progress()
-  done = threading.Event()
+  started, compiled = threading.Event(), threading.Event()
 
-  def download():
-    progress(1, 2)
-    assert done.wait(30)  # still running while meanwhile runs
+  def download():  # each waits for the other: one after the other, neither would finish
+    started.set()
+    assert compiled.wait(30), 'meanwhile did not run while the download did'
     progress(2, 2)
     return 'path'
 
-  assert _beside(download, done.set, progress, 'step 5') == 'path'
+  def meanwhile():
+    assert started.wait(30), 'the download did not run while meanwhile did'
+    compiled.set()
+
+  assert _beside(download, meanwhile, progress, 'step 5') == 'path'
 
   def failing():
     raise StoreError('E-STORE-008', 'the store failed')
@@ -201,6 +220,7 @@ def test_a_download_that_moves_no_byte_is_named(monkeypatch):
   monkeypatch.setattr(remote_start, 'STALL_SECS', 0.5)
   progress = _progress()
   release = threading.Event()
+  progress.plan(8_000_000, 1)  # parts of a byte: no time added for the first to land
   progress(3_000_000, 8_000_000)
   try:
     with pytest.raises(StoreError) as e:
@@ -211,3 +231,19 @@ def test_a_download_that_moves_no_byte_is_named(monkeypatch):
   assert e.value.code == 'E-STORE-016'
   assert 'step 5 from s3://bucket/run' in str(e.value) and 'jaxckpt-fetch' in str(e.value)
   assert '3.0 of 8.0 MB' in str(e.value)
+
+
+def test_when_both_fail_the_compile_is_raised_and_the_download_logged(caplog):
+  from jaxckpt.checkpoint.remote import StoreError
+  from jaxckpt.hosts.remote_start import _beside
+
+  def download():
+    raise StoreError('E-STORE-008', 'the store failed')
+
+  def meanwhile():
+    raise ValueError('the compile failed')
+
+  with caplog.at_level(logging.ERROR), pytest.raises(ValueError, match='compile failed'):
+    _beside(download, meanwhile, _progress(), 'step 5')
+  assert any('jaxckpt-fetch failed too' in r.getMessage() and 'the store failed' in r.getMessage()
+             for r in caplog.records)

@@ -66,6 +66,7 @@ def test_a_start_with_nothing_to_train_says_why(trainer, tmp_path):
   assert again.returncode == 0, again.stderr
   assert ('the run is finished at step 20 (--config.train.steps=20); to continue it, pass '
           '--config.train.steps above 20') in again.stderr
+  assert 'compiling the train step' not in again.stderr  # no step to run: nothing compiled
 
   fewer = trainer.train(tmp_path, '--config.train.steps=10')
   assert fewer.returncode == 0, fewer.stderr

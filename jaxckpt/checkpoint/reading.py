@@ -11,14 +11,14 @@
 
 from __future__ import annotations
 
-import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jax
 import numpy as np
 
-from . import layout, manifest, multihost, orbaxstore, shardtable
+from . import beside, layout, manifest, multihost, orbaxstore, shardtable
 from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file, read_state_file
 
@@ -68,40 +68,29 @@ def read_arrays(step_dir: Path,
   if meanwhile is None:
     return read_state_file(
         step_dir, meta, list(want), checksums=checksums, place=place, direct=verify)
-  nbytes = meta['files'][single]['size']
-  # A daemon: a caller that fails `meanwhile` and exits does not wait for a read it dropped.
-  reader = _Reader(lambda: read_state_file(
-      step_dir, meta, list(want), checksums=checksums, place=None, direct=verify))
-  meanwhile()
-  return place(reader.result(READ_WAIT_SECS + nbytes / READ_WAIT_BYTES_PER_SEC, step_dir / single))
+  path = step_dir / single
+  limit = READ_WAIT_SECS + meta['files'][single]['size'] / READ_WAIT_BYTES_PER_SEC
+  deadline = []  # set when `meanwhile` returns: the read's time beside it is not counted
+
+  def stuck() -> CheckpointError | None:
+    if not deadline:
+      deadline.append(time.monotonic() + limit)
+    if time.monotonic() < deadline[0]:
+      return None
+    return CheckpointError(
+        'E-CKPT-017', f'reading {path} in the background (thread {READER}) had not finished '
+        f'{limit:.0f} s after what ran beside it returned', 'check that disk (a hung mount), then '
+        'run the same command again')
+
+  host = beside.beside(
+      lambda: read_state_file(
+          step_dir, meta, list(want), checksums=checksums, place=None, direct=verify),
+      meanwhile,
+      stuck,
+      name=READER)
+  return place(host)
 
 
+READER = 'jaxckpt-restore'
 # A read in the background that has not finished after this is stuck (a hung mount): 20 MB/s.
 READ_WAIT_SECS, READ_WAIT_BYTES_PER_SEC = 120, 20e6
-
-
-class _Reader:
-  """`read()` on a thread of its own (no jax there: the placing is the caller's)."""
-
-  def __init__(self, read: Callable[[], dict[str, np.ndarray]]):
-    self._value, self._error = None, None
-
-    def run():
-      try:
-        self._value = read()
-      except BaseException as e:  # pylint: disable=broad-except  # raised in the caller's thread
-        self._error = e
-
-    self._thread = threading.Thread(target=run, name='jaxckpt-restore', daemon=True)
-    self._thread.start()
-
-  def result(self, timeout: float, path: Path) -> dict[str, np.ndarray]:
-    self._thread.join(timeout)
-    if self._thread.is_alive():
-      raise CheckpointError(
-          'E-CKPT-017', f'reading {path} in the background (thread {self._thread.name}) '
-          f'had not finished after {timeout:.0f} s', 'check that disk (a hung mount), '
-          'or restore without meanwhile')
-    if self._error is not None:
-      raise self._error  # the read's own error (a damaged file: E-CKPT-003), as without a thread
-    return self._value

@@ -22,16 +22,16 @@ of either tier, before the workdir's records are opened (a download replaces the
 from __future__ import annotations
 
 import json
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from absl import logging
 
-from jaxckpt.checkpoint import CheckpointError, atomic, discovery, layout
+from jaxckpt.checkpoint import CheckpointError, atomic, beside, discovery, layout
 from jaxckpt.checkpoint.checksum import crc32
 from jaxckpt.checkpoint.remote import LeaseError, StoreError, objects
+from jaxckpt.checkpoint.remote.store import StoreTimeout
 from jaxckpt.checkpoint.remote.bounds import MAX_MANIFEST_BYTES, read_prefix
 from jaxckpt.errors import ResumeError
 from jaxckpt.records.workdir import BANDIT, EVENTS, LOSSES, SAMPLES, STATUS
@@ -85,6 +85,7 @@ def sync_down(run,
     except CheckpointError as e:
       logging.warning('passing over remote step %d: %s', step, e.line())
       passed.append((step, e.what))
+      meanwhile = None  # it ran beside this download
       if run.start_step == step:
         run.start_step = None
   if fetch and passed and local_step is None:  # never a fresh start over committed checkpoints
@@ -115,7 +116,8 @@ def fetch_step(run,
                f'; local has {local_step}' if local_step is not None else '',
                ' while the train step compiles' if meanwhile is not None else '')
   progress = _Progress(step)
-  download = lambda: objects.download(run.store, step, ckpt_dir, progress=progress)
+  download = lambda: objects.download(
+      run.store, step, ckpt_dir, progress=progress, on_plan=progress.plan)
   if meanwhile is None:
     path, got = download()
   else:
@@ -259,45 +261,27 @@ def later_events(store, events: bytes) -> bytes | None:
   return data
 
 
-# No byte of a download beside a compile for this long: stuck. Each request gives up on its own
-# well before (no connection in 20 s, under 1 byte/s for 30 s; 3 retries), so this is a backstop.
+# A download beside a compile that finishes no part for this long is stuck: each request gives up
+# on its own well before (no connection in 20 s, under 1 byte/s for 30 s; 3 retries). Plus the
+# time `PARALLEL` parts in flight take at 1 MB/s: on a slow link the first part lands late.
 STALL_SECS = 300
 
 
 def _beside(download: Callable[[], Any], meanwhile: Callable[[], Any], progress: '_Progress',
             what: str) -> Any:
-  """`download()` on a thread of its own while `meanwhile()` runs here; its result, or its
-  error. The thread is waited for even when `meanwhile` fails: no download left running."""
-  out: dict[str, Any] = {}
+  """`download()` on a thread of its own while `meanwhile()` runs here (`checkpoint.beside`)."""
+  name = 'jaxckpt-fetch'
 
-  def run():
-    try:
-      out['value'] = download()
-    except BaseException as e:  # pylint: disable=broad-except  # raised in the caller's thread
-      out['error'] = e
+  def stuck() -> StoreTimeout | None:
+    limit = STALL_SECS + objects.PARALLEL * progress.part_bytes / 1e6
+    if time.monotonic() - progress.moved <= limit:
+      return None
+    return StoreTimeout(
+        'E-STORE-016', f'the download of {what} (thread {name}) finished no part for '
+        f'{limit:.0f} s ({progress.done / 1e6:.1f} of {progress.total / 1e6:.1f} MB)',
+        'check the store and the network, then run the same command again')
 
-  thread = threading.Thread(target=run, name='jaxckpt-fetch', daemon=True)
-  thread.start()
-  failed = None
-  try:
-    meanwhile()
-  except BaseException as e:  # pylint: disable=broad-except  # raised once the download ended
-    failed = e
-  while thread.is_alive():
-    thread.join(1)
-    if thread.is_alive() and time.monotonic() - progress.moved > STALL_SECS:
-      if failed is not None:
-        raise failed
-      raise StoreError(
-          'E-STORE-016', f'the download of {what} (thread {thread.name}) moved no byte for '
-          f'{STALL_SECS} s ({progress.done / 1e6:.1f} of {progress.total / 1e6:.1f} MB)',
-          'check the store and the network, then run the same command again',
-          kind='timeout')
-  if failed is not None:
-    raise failed
-  if 'error' in out:
-    raise out['error']
-  return out['value']
+  return beside.beside(download, meanwhile, stuck, name=name)
 
 
 class _Progress:
@@ -305,7 +289,11 @@ class _Progress:
 
   def __init__(self, step: int):
     self.step, self.last = step, time.monotonic()
-    self.moved, self.done, self.total = self.last, 0, 0
+    self.moved, self.done, self.total, self.part_bytes = self.last, 0, 0, objects.PART_BYTES
+
+  def plan(self, total: int, part_bytes: int) -> None:
+    """What the download is about to move, in parts of `part_bytes` (its manifest's)."""
+    self.moved, self.total, self.part_bytes = time.monotonic(), total, part_bytes
 
   def __call__(self, done: int, total: int) -> None:
     self.moved, self.done, self.total = time.monotonic(), done, total

@@ -18,6 +18,7 @@ import numpy as np
 from absl import logging
 
 from jaxckpt.checkpoint import ArgumentError, CheckpointError, discovery, layout, named_leaves
+from jaxckpt.checkpoint.formats import SAFETENSORS
 from jaxckpt.errors import ResumeError
 from jaxckpt.hosts import distributed
 from jaxckpt.model import bandit as bandit_lib
@@ -251,11 +252,7 @@ def _restore(session: Session, resume_dir: Path,
     arrays = _read_init_file(session, pin)
   if new_pin:  # else the checkpoints this run writes hold every parameter
     session.file_frozen = {n: x for n, x in arrays.items() if n in session.frozen_params}
-  # The first step compiles here while the checkpoint is read: a restart waits for the longer
-  # of the two, not both.
-  compile_step = session.trainer.compile_train_step
-  if not session.trainer.step_compiled:  # it may have been, while the checkpoint came down
-    logging.info('compiling the train step while the checkpoint is read...')
+  compile_step = _compile_beside(session.trainer, resume_dir, meta)
   if not left_out:
     state, run_state = session.mgr.restore(resume_dir, abstract, meanwhile=compile_step)
     return state, run_state, None
@@ -280,6 +277,19 @@ def _restore(session: Session, resume_dir: Path,
       **init_from_lib.summary(pin),
       'read': [n for n in model_lib.parameter_names(session.trainer.config.model) if n in read]
   }
+
+
+def _compile_beside(trainer, resume_dir: Path, meta: dict[str, Any]):
+  """What the restore runs beside its read: the first step's compile, so that a restart waits
+  for the longer of the two, not both. None when there is nothing to compile: the step is
+  compiled already (while the checkpoint came down), or the run is finished."""
+  step = layout.parse_step(resume_dir.name)
+  if trainer.step_compiled or (step is not None and step >= trainer.config.train.steps):
+    return None
+  # One state file on one process is read beside the compile; otherwise it is read after it.
+  beside = jax.process_count() == 1 and meta.get('storage') == SAFETENSORS
+  logging.info('compiling the train step%s...', ' while the checkpoint is read' if beside else '')
+  return trainer.compile_train_step
 
 
 def _read_init_file(session: Session, pin: dict[str, Any]) -> dict[str, np.ndarray]:

@@ -285,18 +285,22 @@ def delete(store: Store, step: int, may_delete: Callable[[str], None] = _never) 
         os.rmdir(folder)
 
 
-def download(store: Store,
-             step: int,
-             ckpt_root: Path,
-             *,
-             parallel: int = PARALLEL,
-             progress: Callable[[int, int], None] = lambda done, total: None,
-             only: Collection[str] | None = None) -> tuple[Path, dict[str, bytes]]:
+def download(
+    store: Store,
+    step: int,
+    ckpt_root: Path,
+    *,
+    parallel: int = PARALLEL,
+    progress: Callable[[int, int], None] = lambda done, total: None,
+    only: Collection[str] | None = None,
+    on_plan: Callable[[int, int], None] = lambda total, part_bytes: None
+) -> tuple[Path, dict[str, bytes]]:
   """Downloads remote checkpoint `step` into `ckpt_root/step_<n>` (published with its manifest
   last, like a local commit) and returns (that directory, {record name: bytes}). Every byte is
   checked against the manifest's CRC-32 while it is read: a mismatch raises E-STORE-012 and
   leaves nothing behind. `only`: the files under `state/` to fetch (the others stay absent, as
-  other processes' parts on each host's own disk); its run state and shard table always come."""
+  other processes' parts on each host's own disk); its run state and shard table always come.
+  `progress(done, total)` after each part; `on_plan(total, part_bytes)` once, before the first."""
   raw, m, meta, problems = inspect(store, step)
   where = store.join(step_prefix(step).rstrip('/'))
   if problems:
@@ -310,6 +314,7 @@ def download(store: Store,
       if only is None or rel in only or not rel.startswith(f'{layout.STATE_DIR}/')
   }
   total, done, lock = sum(w['size'] for w in files.values()), [0], threading.Lock()
+  on_plan(total, part_bytes)
 
   def progressed(n: int) -> None:
     with lock:
