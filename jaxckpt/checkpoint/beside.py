@@ -25,10 +25,13 @@ def beside(work: Callable[[], Any],
            stuck: Callable[[], BaseException | None],
            *,
            name: str,
-           poll_secs: float = 1.0) -> Any:
+           poll_secs: float = 1.0,
+           between: Callable[[float], None] | None = None) -> Any:
   """`work()` on thread `name` while `meanwhile()` runs here; returns what `work` returned, or
   raises its error (the caller's thread sees it as if it had run here). `stuck()` returns the
-  error to raise when the work is taking too long, else None."""
+  error to raise when the work is taking too long, else None. `between(seconds)`, when given,
+  is what this thread does once `meanwhile` returned and the work still runs, in place of
+  waiting up to `seconds` (taking what the work hands over as it goes)."""
   out: dict[str, Any] = {}
 
   def run():
@@ -45,7 +48,10 @@ def beside(work: Callable[[], Any],
   except BaseException as e:  # pylint: disable=broad-except  # raised once the work has ended
     failed = e
   while thread.is_alive():
-    thread.join(poll_secs)
+    if between is None or failed is not None:
+      thread.join(poll_secs)
+    else:
+      between(poll_secs)
     if thread.is_alive() and (error := stuck()) is not None:
       raise failed or error
   if failed is not None:

@@ -4,13 +4,15 @@
   own shards (`multihost.restore`).
 - One safetensors file: read in runs of tensors, each run placed on the devices as soon as it is
   read, overlapping the next reads. Or, given something to do `meanwhile` (the caller's compile of
-  its first step), read whole into host memory on a thread of its own while the caller does it,
-  then placed: the read and its page faults cost the start nothing when the compile is longer.
+  its first step), read on a thread of its own while the caller does it, and placed by the caller
+  once it is done, as the rest lands: the read and its page faults cost the start nothing when
+  the compile is longer.
 - Orbax: tensorstore reads what each device needs.
 """
 
 from __future__ import annotations
 
+import queue
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -82,13 +84,32 @@ def read_arrays(step_dir: Path,
         f'{limit:.0f} s after what ran beside it returned', 'check that disk (a hung mount), then '
         'run the same command again')
 
-  host = beside.beside(
+  # The reader hands each batch of tensors over as it lands; once `meanwhile` returns, this
+  # thread places them as they come (a host-to-device copy beside the rest of the read).
+  landed: queue.SimpleQueue = queue.SimpleQueue()
+  placed: dict[str, jax.Array] = {}
+
+  def take(seconds: float) -> None:
+    try:
+      placed.update(place(landed.get(timeout=seconds)))
+    except queue.Empty:
+      pass
+
+  beside.beside(
       lambda: read_state_file(
-          step_dir, meta, list(want), checksums=checksums, place=None, direct=verify),
+          step_dir,
+          meta,
+          list(want),
+          checksums=checksums,
+          place=lambda a: landed.put(a) or {},
+          direct=verify),
       meanwhile,
       stuck,
-      name=READER)
-  return place(host)
+      name=READER,
+      between=take)
+  while not landed.empty():
+    placed.update(place(landed.get()))
+  return placed
 
 
 READER = 'jaxckpt-restore'
