@@ -247,3 +247,16 @@ def test_when_both_fail_the_compile_is_raised_and_the_download_logged(caplog):
     _beside(download, meanwhile, _progress(), 'step 5')
   assert any('jaxckpt-fetch failed too' in r.getMessage() and 'the store failed' in r.getMessage()
              for r in caplog.records)
+
+
+def test_a_file_of_several_chunks_is_placed_as_it_lands(tmp_path, read_done):
+  """Past the reader's 64 MiB chunks, batches land one after another while the caller places
+  them: every tensor arrives whole, once, whichever side of `meanwhile` it landed on."""
+  rng = np.random.default_rng(1)
+  state = {f't{i}': jax.device_put(rng.standard_normal(10_000_000, np.float32)) for i in range(4)}
+  with CheckpointManager(tmp_path, CheckpointOptions(mode='sync')) as mgr:
+    mgr.save(1, state)
+    restored, _ = mgr.restore(1, _abstract(state), meanwhile=lambda: None)
+  assert read_done.is_set() and sorted(restored) == sorted(state)
+  for name, x in state.items():
+    assert np.asarray(restored[name]).tobytes() == np.asarray(x).tobytes(), name
