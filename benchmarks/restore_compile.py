@@ -6,7 +6,7 @@ A restarted trainer reads its checkpoint and compiles its train step. Before, it
 the other: the restore, then the compile at the first step. Now the trainer hands the compile to
 the restore (`CheckpointManager.restore(..., meanwhile=trainer.compile_train_step)`): the state
 file is read into host memory on a thread of its own, page faults included, while the caller's
-thread compiles, and the arrays go to the devices once both are done.
+thread compiles, and the caller then places the arrays, the rest as they land.
 
 Each row is a fresh process with a committed andrea_120m- or andrea_12m-shaped checkpoint (the
 trainer's real state tree, one safetensors file) in the page cache, timed from before the
