@@ -17,6 +17,8 @@ why) in OUT/device.json as soon as it ends:
 6. bound: tokens/s with the loop's bound on steps in flight (2, the default) against without it,
    in alternating blocks of steps in one process (`benchmarks.stop_latency.paired_throughput`):
    the goal is a cost under 1%, which 2 shared CPU cores cannot resolve.
+7. restart: a restart's restore and its first compile, one after the other and overlapped, with
+   a cold compile and a warm cache (`benchmarks.restore_compile`, one round in fresh processes).
 
 Nothing here assumes a CPU; on one it runs too (slowly: pass --steps to shrink).
 """
@@ -38,7 +40,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / 'configs' / 'andrea_120m.py')
 BUDGET_S = 540  # the whole run: under 9 minutes
-STEPS = ('device', 'tests', 'train', 'resume', 'blocking', 'bound')
+STEPS = ('device', 'tests', 'train', 'resume', 'blocking', 'bound', 'restart')
 
 
 def main(argv=None) -> int:
@@ -71,7 +73,8 @@ def main(argv=None) -> int:
     steps = [('device', 20, describe_device), ('tests', 120, run_tests, env, out),
              ('train', 200, train_on_off, env, work, args.config, args.steps),
              ('resume', 150, kill_and_resume, env, work, args.config, args.steps),
-             ('blocking', 120, blocking, args.config), ('bound', 90, steps_in_flight, args.config)]
+             ('blocking', 120, blocking, args.config), ('bound', 90, steps_in_flight, args.config),
+             ('restart', 150, restart, args.config, work)]
     for name, budget, fn, *fn_args in steps:
       if only is not None and name not in only:
         continue
@@ -294,6 +297,13 @@ def steps_in_flight(config: str) -> dict:
       Path(config).stem, rounds=4, block_steps=20, config=provenance.load_config_file(config))
   print(json.dumps(row, indent=1, default=str), flush=True)
   return row
+
+
+def restart(config: str, work: Path) -> dict:
+  from benchmarks.restore_compile import measure
+  rows, _ = measure(Path(config).stem, 1, False, str(work))
+  print(json.dumps(rows, indent=1, default=str), flush=True)
+  return {'rows': rows}
 
 
 def blocking(config: str) -> dict:

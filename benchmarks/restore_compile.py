@@ -121,6 +121,57 @@ def _upload(where: str, url: str) -> None:
     uploader.close()
 
 
+def measure(config: str, repeats: int, remote: bool, scratch: str) -> tuple[list, dict]:
+  """(the table's rows, every run's row by variant): fresh processes, alternating variants."""
+  got, server = {}, None
+  with tempfile.TemporaryDirectory(dir=scratch) as where:
+    _write(config, where)
+    if remote:  # the server's endpoint and credentials go into the environment
+      from benchmarks.remote import BUCKET, Server
+      server = Server()
+      url = f's3://{BUCKET}/restore-compile'
+      _upload(where, url)
+    env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_COMPILATION_CACHE')}
+    cold = {**env, 'JAX_ENABLE_COMPILATION_CACHE': 'false'}
+    if remote:
+      modes, variants, target = {'cold': cold}, REMOTE_VARIANTS, url
+    else:
+      cache = os.path.join(where, 'jax-cache')
+      cached = {
+          **env, 'JAX_COMPILATION_CACHE_DIR': cache,
+          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'
+      }
+      modes, variants, target = {'cold': cold, 'cached': cached}, VARIANTS, where
+    try:
+      for repeat in range(repeats + 1):  # the first round fills the caches; not counted
+        for mode, mode_env in modes.items():
+          for variant in variants:
+            row = {
+                **child_row('benchmarks.restore_compile', config, variant, target, mode_env),
+                'compile':
+                    mode
+            }
+            print(json.dumps(row), flush=True)
+            if repeat:
+              got.setdefault((mode, variant), []).append(row)
+    finally:
+      if server is not None:
+        server.stop()
+  rows = []
+  for (mode, variant), runs in got.items():
+    row = {'config': config, 'compile': mode, 'variant': variant, 'runs': len(runs)}
+    for key in ('seconds', 'download_s', 'restore_s', 'compile_s'):
+      if key in runs[0]:
+        row[key] = statistics.median(r[key] for r in runs)
+    rows.append(row)
+  for row in rows:
+    first = next(r for r in rows if r['compile'] == row['compile'] and r['variant'] == variants[0])
+    row['saved_s'] = first['seconds'] - row['seconds']
+    row['vs_sequential'] = row['seconds'] / first['seconds']
+  runs = {f'{mode}/{variant}': r for (mode, variant), r in got.items()}
+  return rows, runs
+
+
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   ap.add_argument('--config', default='120m')
@@ -134,54 +185,9 @@ def main(argv=None) -> None:
     run = remote_child if args.child in REMOTE_VARIANTS else child
     print(json.dumps(run(args.config, args.child, args.where)))
     return
-  got, server = {}, None
-  with tempfile.TemporaryDirectory(dir=args.scratch) as where:
-    _write(args.config, where)
-    if args.remote:  # the server's endpoint and credentials go into the environment
-      from benchmarks.remote import BUCKET, Server
-      server = Server()
-      url = f's3://{BUCKET}/restore-compile'
-      _upload(where, url)
-    env = {k: v for k, v in os.environ.items() if not k.startswith('JAX_COMPILATION_CACHE')}
-    cold = {**env, 'JAX_ENABLE_COMPILATION_CACHE': 'false'}
-    if args.remote:
-      modes, variants, target = {'cold': cold}, REMOTE_VARIANTS, url
-    else:
-      cache = os.path.join(where, 'jax-cache')
-      cached = {
-          **env, 'JAX_COMPILATION_CACHE_DIR': cache,
-          'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'
-      }
-      modes, variants, target = {'cold': cold, 'cached': cached}, VARIANTS, where
-    try:
-      for repeat in range(args.repeats + 1):  # the first round fills the caches; not counted
-        for mode, mode_env in modes.items():
-          for variant in variants:
-            row = {
-                **child_row('benchmarks.restore_compile', args.config, variant, target, mode_env),
-                'compile':
-                    mode
-            }
-            print(json.dumps(row), flush=True)
-            if repeat:
-              got.setdefault((mode, variant), []).append(row)
-    finally:
-      if server is not None:
-        server.stop()
-  rows = []
-  for (mode, variant), runs in got.items():
-    row = {'config': args.config, 'compile': mode, 'variant': variant, 'runs': len(runs)}
-    for key in ('seconds', 'download_s', 'restore_s', 'compile_s'):
-      if key in runs[0]:
-        row[key] = statistics.median(r[key] for r in runs)
-    rows.append(row)
-  for row in rows:
-    first = next(r for r in rows if r['compile'] == row['compile'] and r['variant'] == variants[0])
-    row['saved_s'] = first['seconds'] - row['seconds']
-    row['vs_sequential'] = row['seconds'] / first['seconds']
+  rows, runs = measure(args.config, args.repeats, args.remote, args.scratch)
   print_table(rows, COLUMNS)
   name = f'restore_compile-{args.config}' + ('-remote' if args.remote else '')
-  runs = {f'{mode}/{variant}': r for (mode, variant), r in got.items()}
   print(f'wrote {write_results(name, rows, {"runs": runs})}')
 
 
