@@ -107,8 +107,8 @@ def read_arrays(step_dir: Path,
       stuck,
       name=READER,
       between=take)
-  while not landed.empty():
-    placed.update(place(landed.get()))
+  while not landed.empty():  # what landed after the last look
+    take(0)
   return placed
 
 

@@ -109,7 +109,8 @@ def fetch_step(run,
   With `meanwhile`, the download runs on a thread of its own (`jaxckpt-fetch`: the store's
   requests, the disk) while `meanwhile()` runs on this one: a fresh machine compiles its first
   step while the checkpoint comes down, and waits for the longer of the two. A download that
-  moves no byte for `STALL_SECS` (every request's own timeouts and retries past) is E-STORE-016.
+  finishes no part for `STALL_SECS` plus the time its parts in flight take at 1 MB/s is
+  E-STORE-016 (`_beside`).
   """
   t0 = time.monotonic()
   logging.info('fetching step %d from %s (the newest intact checkpoint%s)%s', step, run.store.url,
@@ -285,7 +286,7 @@ def _beside(download: Callable[[], Any], meanwhile: Callable[[], Any], progress:
 
 
 class _Progress:
-  """Logs a long download's progress every 10 seconds; when a byte last came (`moved`)."""
+  """Logs a long download's progress every 10 seconds; when a part last finished (`moved`)."""
 
   def __init__(self, step: int):
     self.step, self.last = step, time.monotonic()

@@ -154,17 +154,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     # A newer remote checkpoint (and its records) comes down; the others wait for process 0's.
     # One process alone compiles its first step meanwhile (across processes the others would wait
     # for that compile too, within the barrier's timeout).
-    def compile_unless_finished() -> None:  # the remote's newest step is known by then
-      if remote.start_step is None or remote.start_step < config.train.steps:
-        trainer.compile_train_step()
-
     alone = distributed.current().count == 1
     distributed.together(
-        'remote_synced', lambda: remote and remote.sync_down(
+        'remote_synced',
+        lambda: remote and remote.sync_down(
             ckpt_dir,
             resume=resume,
             fetch=resume == 'latest' and distributed.leader() and shared,
-            meanwhile=compile_unless_finished if alone else None))
+            # By then the remote's newest step is known: a run finished there compiles nothing.
+            meanwhile=(lambda: trainer.compile_train_step(remote.start_step)) if alone else None))
     if shared or resume != 'latest':
       resume_dir = distributed.together('resume_point',
                                         lambda: resume_lib.find_resume_point(resume, ckpt_dir))

@@ -283,8 +283,7 @@ def _compile_beside(trainer, resume_dir: Path, meta: dict[str, Any]):
   """What the restore runs beside its read: the first step's compile, so that a restart waits
   for the longer of the two, not both. None when there is nothing to compile: the step is
   compiled already (while the checkpoint came down), or the run is finished."""
-  step = layout.parse_step(resume_dir.name)
-  if trainer.step_compiled or (step is not None and step >= trainer.config.train.steps):
+  if not trainer.must_compile(layout.parse_step(resume_dir.name)):
     return None
   # One state file on one process is read beside the compile; otherwise it is read after it.
   beside = jax.process_count() == 1 and meta.get('storage') == SAFETENSORS

@@ -92,11 +92,16 @@ class Trainer:
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,
                         self.state_shardings)
 
-  def compile_train_step(self) -> None:
+  def must_compile(self, start: int | None = None) -> bool:
+    """Whether a run starting at step `start` (None: not known) has a step left to compile."""
+    return not self.step_compiled and (start is None or start < self.config.train.steps)
+
+  def compile_train_step(self, start: int | None = None) -> None:
     """Compile `train_step` for this config's batch now, ahead of the first step (while a
     restore reads the checkpoint): the first call then finds it compiled. The abstract inputs
-    carry the shardings the loop's own have; without them the first call compiles again."""
-    if self.step_compiled:
+    carry the shardings the loop's own have; without them the first call compiles again.
+    Nothing when `must_compile(start)` is not so (a run finished at `start`)."""
+    if not self.must_compile(start):
       return
     sh = sharding.batch_sharding(self.mesh)
     shape = (self.config.train.batch_size, self.config.model.block_size)
