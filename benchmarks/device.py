@@ -17,7 +17,9 @@ why) in OUT/device.json as soon as it ends:
 6. bound: tokens/s with the loop's bound on steps in flight (2, the default) against without it,
    in alternating blocks of steps in one process (`benchmarks.stop_latency.paired_throughput`):
    the goal is a cost under 1%, which 2 shared CPU cores cannot resolve.
-7. restart: a restart's restore and its first compile, one after the other and overlapped, with
+7. deterministic: step 6's loop again in a fresh process with deterministic GPU ops (the
+   trainer runs' flag): what that flag alone costs the jitted step, apart from the trainer.
+8. restart: a restart's restore and its first compile, one after the other and overlapped, with
    a cold compile and a warm cache (`benchmarks.restore_compile`, one round in fresh processes).
 
 Nothing here assumes a CPU; on one it runs too (slowly: pass --steps to shrink).
@@ -40,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / 'configs' / 'andrea_120m.py')
 BUDGET_S = 540  # the whole run: under 9 minutes
-STEPS = ('device', 'tests', 'train', 'resume', 'blocking', 'bound', 'restart')
+STEPS = ('device', 'tests', 'train', 'resume', 'blocking', 'bound', 'deterministic', 'restart')
 
 
 def main(argv=None) -> int:
@@ -74,6 +76,7 @@ def main(argv=None) -> int:
              ('train', 200, train_on_off, env, work, args.config, args.steps),
              ('resume', 150, kill_and_resume, env, work, args.config, args.steps),
              ('blocking', 120, blocking, args.config), ('bound', 90, steps_in_flight, args.config),
+             ('deterministic', 120, deterministic_loop, env, args.config),
              ('restart', 150, restart, args.config, work)]
     for name, budget, fn, *fn_args in steps:
       if only is not None and name not in only:
@@ -297,6 +300,25 @@ def steps_in_flight(config: str) -> dict:
       Path(config).stem, rounds=4, block_steps=20, config=provenance.load_config_file(config))
   print(json.dumps(row, indent=1, default=str), flush=True)
   return row
+
+
+def deterministic_loop(env: dict, config: str) -> dict:
+  """`steps_in_flight` in a child process with `env`'s XLA_FLAGS (deterministic GPU ops), which
+  must be set before the backend starts: against the `bound` step's tokens/s, in this process
+  without the flag, it says what the flag costs the step itself."""
+  code = ('import json, sys; from benchmarks.device import steps_in_flight; '
+          'print("RESULT " + json.dumps(steps_in_flight(sys.argv[1]), default=str))')
+  done = subprocess.run([sys.executable, '-c', code, config],
+                        cwd=REPO,
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=115,
+                        check=False)
+  lines = [l for l in done.stdout.splitlines() if l.startswith('RESULT ')]
+  if done.returncode or not lines:
+    raise RuntimeError(f'exit {done.returncode}: {done.stderr[-1500:]}')
+  return {'xla_flags': env.get('XLA_FLAGS', ''), **json.loads(lines[-1][len('RESULT '):])}
 
 
 def restart(config: str, work: Path) -> dict:

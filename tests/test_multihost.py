@@ -9,6 +9,7 @@ One trainer start (`python -m jaxckpt.main`) checks what the processes agree to 
 import json
 import shutil
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +81,24 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
       n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[n]) for n, x in want.items()
   }
   step = mgr.latest_step()
-  state, run_state = mgr.restore(step, target)
+  # The trainer compiles its first step `meanwhile`: each process reads its byte ranges beside
+  # it (orbax reads after it), so a read that waited for `meanwhile` would fail here.
+  from jaxckpt.checkpoint import multihost
+  read, real = threading.Event(), multihost.read_boxes
+
+  def watched(*args, **kwargs):
+    try:
+      return real(*args, **kwargs)
+    finally:
+      read.set()
+
+  def meanwhile():
+    if storage != 'orbax':
+      assert read.wait(60), f'process {process} read nothing while meanwhile ran'
+
+  multihost.read_boxes = watched
+  state, run_state = mgr.restore(step, target, meanwhile=meanwhile)
+  assert read.is_set() == (storage != 'orbax')
   assert run_state['note'] == 'hello', run_state
   for name, x in state.items():
     for shard in x.addressable_shards:

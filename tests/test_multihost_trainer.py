@@ -77,8 +77,10 @@ def test_sigkill_of_every_process_then_the_same_command_is_bit_identical(
     p.kill()
   finish_processes(procs)
   killed_at = max(committed_steps(stopped))
-  train(compile_cache, stopped, 2, *flags)
+  again = train(compile_cache, stopped, 2, *flags)
   assert events_of(stopped, 'resumed')[0]['step'] == killed_at < 60
+  # Each process read its byte ranges while its first step compiled.
+  assert all('compiling the train step while the checkpoint is read' in out for _, out in again)
   assert_same_bytes(arrays(stopped, 60), arrays(straight, 60))
   assert losses(stopped) == losses(straight)
   assert manifest(

@@ -321,12 +321,47 @@ def restore(step_dir: Path, shards: shardtable.Table, want: Mapping[str, Any], *
             checksums: bool) -> dict[str, jax.Array]:
   """The arrays `want` ({name: target with shape, dtype, sharding}), each process reading just
   what its devices hold."""
-  boxes = {}
+  return place(want, read_boxes(step_dir, shards, held_boxes(want), checksums=checksums))
+
+
+Held = Mapping[str, tuple[set[Box], np.dtype]]  # {name: (the boxes held here, dtype)}
+
+
+def held_boxes(want: Mapping[str, Any]) -> Held:
+  """{name: (the boxes of it this process's devices hold, each once; its dtype)}."""
+  out = {}
   for name, x in want.items():
     shape = tuple(x.shape)
-    wanted = {_box(i, shape) for i in x.sharding.addressable_devices_indices_map(shape).values()}
-    boxes[name] = {b: np.empty([hi - lo for lo, hi in b], x.dtype) for b in wanted}
-  fill(step_dir, shards, boxes, {n: x.dtype for n, x in want.items()}, checksums=checksums)
+    out[name] = ({
+        _box(i, shape) for i in x.sharding.addressable_devices_indices_map(shape).values()
+    }, np.dtype(x.dtype))
+  return out
+
+
+def held_bytes(held: Held) -> int:
+  """The bytes `read_boxes` reads into this process's host memory."""
+  return sum(
+      math.prod(hi - lo
+                for lo, hi in b) * dtype.itemsize
+      for boxes, dtype in held.values()
+      for b in boxes)
+
+
+def read_boxes(step_dir: Path, shards: shardtable.Table, held: Held, *,
+               checksums: bool) -> dict[str, dict[Box, np.ndarray]]:
+  """{name: {box: host array}} of the boxes `held_boxes` named, read from the files. No jax runs
+  here: a restore reads on a thread of its own beside a compile."""
+  boxes = {
+      name: {b: np.empty([hi - lo for lo, hi in b], dtype) for b in got}
+      for name, (got, dtype) in held.items()
+  }
+  fill(step_dir, shards, boxes, {n: dtype for n, (_, dtype) in held.items()}, checksums=checksums)
+  return boxes
+
+
+def place(want: Mapping[str, Any],
+          boxes: Mapping[str, Mapping[Box, np.ndarray]]) -> dict[str, jax.Array]:
+  """The arrays of `want` built from `read_boxes`'s answer, on their shardings."""
   return {
       name:
           jax.make_array_from_callback(

@@ -1,7 +1,8 @@
 """A committed checkpoint's arrays read onto their target shardings, whatever mesh wrote them.
 
 - Across processes, or from several state files: each process reads the byte ranges of its
-  own shards (`multihost.restore`).
+  own shards (`multihost.restore`); given something to do `meanwhile`, on a thread of its own
+  while the caller does it, then the caller places them.
 - One safetensors file: read in runs of tensors, each run placed on the devices as soon as it is
   read, overlapping the next reads. Or, given something to do `meanwhile` (the caller's compile of
   its first step), read on a thread of its own while the caller does it, and placed by the caller
@@ -51,14 +52,22 @@ def read_arrays(step_dir: Path,
   """{name: array} of the tensors `want` names (each a `ShapeDtypeStruct` with its sharding or
   an array). `verify=False`: the caller's check just read the file (no direct I/O needed).
   `shards`: `shard_rows`'s answer; given, each process reads the byte ranges of its shards.
-  `meanwhile` runs on this thread while one state file is read on another (see the module's
-  docstring); before the read when the checkpoint is not one file on one process."""
+  `meanwhile` runs on this thread while the state file, or this process's byte ranges of the
+  state files, are read on another (see the module's docstring); before the read from orbax."""
   single = data_file(meta)
-  if meanwhile is not None and (shards is not None or not single):
-    meanwhile()  # these reads place as they go, across processes too: on this thread, after it
   if shards is not None:
-    return multihost.restore(step_dir, shards, want, checksums=checksums)
+    if meanwhile is None:
+      return multihost.restore(step_dir, shards, want, checksums=checksums)
+    held = multihost.held_boxes(want)  # this process's byte ranges, read beside `meanwhile`
+    boxes = beside.beside(
+        lambda: multihost.read_boxes(step_dir, shards, held, checksums=checksums),
+        meanwhile,
+        _stuck(step_dir, multihost.held_bytes(held)),
+        name=READER)
+    return multihost.place(want, boxes)
   if not single:
+    if meanwhile is not None:
+      meanwhile()  # tensorstore reads what each device needs: on this thread, after it
     return orbaxstore.restore(step_dir / layout.STATE_DIR, want, partial=partial)
 
   def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -71,18 +80,7 @@ def read_arrays(step_dir: Path,
     return read_state_file(
         step_dir, meta, list(want), checksums=checksums, place=place, direct=verify)
   path = step_dir / single
-  limit = READ_WAIT_SECS + meta['files'][single]['size'] / READ_WAIT_BYTES_PER_SEC
-  deadline = []  # set when `meanwhile` returns: the read's time beside it is not counted
-
-  def stuck() -> CheckpointError | None:
-    if not deadline:
-      deadline.append(time.monotonic() + limit)
-    if time.monotonic() < deadline[0]:
-      return None
-    return CheckpointError(
-        'E-CKPT-017', f'reading {path} in the background (thread {READER}) had not finished '
-        f'{limit:.0f} s after what ran beside it returned', 'check that disk (a hung mount), then '
-        'run the same command again')
+  stuck = _stuck(path, meta['files'][single]['size'])
 
   # The reader hands each batch of tensors over as it lands; once `meanwhile` returns, this
   # thread places them as they come (a host-to-device copy beside the rest of the read).
@@ -110,6 +108,25 @@ def read_arrays(step_dir: Path,
   while not landed.empty():  # what landed after the last look
     take(0)
   return placed
+
+
+def _stuck(what: Path, nbytes: int) -> Callable[[], CheckpointError | None]:
+  """`beside`'s question for a read of `nbytes` from `what`: E-CKPT-017 once it has run READ_WAIT
+  seconds (and a second per READ_WAIT_BYTES_PER_SEC) past the return of what ran beside it."""
+  limit = READ_WAIT_SECS + nbytes / READ_WAIT_BYTES_PER_SEC
+  deadline = []  # set when `meanwhile` returns: the read's time beside it is not counted
+
+  def stuck() -> CheckpointError | None:
+    if not deadline:
+      deadline.append(time.monotonic() + limit)
+    if time.monotonic() < deadline[0]:
+      return None
+    return CheckpointError(
+        'E-CKPT-017', f'reading {what} in the background (thread {READER}) had not finished '
+        f'{limit:.0f} s after what ran beside it returned', 'check that disk (a hung mount), then '
+        'run the same command again')
+
+  return stuck
 
 
 READER = 'jaxckpt-restore'

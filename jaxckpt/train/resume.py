@@ -285,8 +285,9 @@ def _compile_beside(trainer, resume_dir: Path, meta: dict[str, Any]):
   compiled already (while the checkpoint came down), or the run is finished."""
   if not trainer.must_compile(layout.parse_step(resume_dir.name)):
     return None
-  # One state file on one process is read beside the compile; otherwise it is read after it.
-  beside = jax.process_count() == 1 and meta.get('storage') == SAFETENSORS
+  # A safetensors checkpoint is read beside the compile (each process its own byte ranges); one
+  # of orbax after it.
+  beside = meta.get('storage') == SAFETENSORS
   logging.info('compiling the train step%s...', ' while the checkpoint is read' if beside else '')
   return trainer.compile_train_step
 

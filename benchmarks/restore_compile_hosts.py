@@ -1,0 +1,175 @@
+"""A restart of a job of several processes: each one's restore and its first compile, one after
+the other and overlapped.
+
+    python -m benchmarks.restore_compile_hosts --config=120m --processes=2 --repeats=2
+
+`benchmarks.restore_compile` measures one process. Across processes a restore reads, on each
+process, the byte ranges of the state files its devices hold (`multihost.restore`); it used to
+run `meanwhile` (the trainer's compile of its first step) first and read after it. Now each
+process reads its byte ranges on a thread of its own while its compile runs, and places them
+once both are done.
+
+`--processes` real jax.distributed processes (one CPU device each, gloo) save the trainer's real
+`config` state tree (every leaf filled) into one shared directory, one state file each. Then, in
+fresh jobs, alternating, each timed on every process from a barrier common to all to a restored
+state and a compiled step; the job's time is the slowest process's:
+
+  * `restore, then compile`: `restore()`, then `compile_train_step()`;
+  * `restore while compiling`: `restore(..., meanwhile=compile_train_step)`.
+
+Each with a cold compile (no persistent compilation cache) and a warm one. The state files are
+read once before each job, so they are in the page cache (the disk is out of it); the processes
+share this machine's cores, so their compiles and reads compete for them.
+
+Prints a table and writes benchmarks/results/restore_compile_hosts-<config>.json.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import print_table, write_results
+from benchmarks.restore_compile import VARIANTS
+
+REPO = Path(__file__).resolve().parents[1]
+COLUMNS = [
+    'config', 'processes', 'compile', 'variant', 'job_s', 'restore_s', 'compile_s', 'saved_s',
+    'vs_sequential', 'runs'
+]
+
+
+def worker(variant: str, process: int, count: int, coordinator: str, config: str,
+           where: str) -> dict:
+  """`save` (step 1 of `config`'s state), or one variant of VARIANTS, timed on this process."""
+  import jax
+  jax.config.update('jax_num_cpu_devices', 1)
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(coordinator, num_processes=count, process_id=process)
+  from benchmarks.first_save import real_state
+  from benchmarks.states import get_config
+  from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, multihost
+  from jaxckpt.train.state import build_trainer
+  if variant == 'save':
+    _, state = real_state(config)
+    with CheckpointManager(where, CheckpointOptions(keep=1, mode='sync')) as mgr:
+      mgr.save(1, state)
+    return {}
+  trainer = build_trainer(get_config(config))
+  abstract = trainer.abstract_state()
+  mgr = CheckpointManager(where, writer=False)
+  multihost.client().wait_at_barrier(f'bench/restore_compile/{variant}', 600_000)
+  row = {'process': process}
+  t = time.perf_counter()
+  if variant == VARIANTS[1]:
+    state, _ = mgr.restore(1, abstract, meanwhile=trainer.compile_train_step)
+    jax.block_until_ready(state)
+  else:
+    state, _ = mgr.restore(1, abstract)
+    jax.block_until_ready(state)
+    row['restore_s'] = time.perf_counter() - t
+    t1 = time.perf_counter()
+    trainer.compile_train_step()
+    row['compile_s'] = time.perf_counter() - t1
+  row['seconds'] = time.perf_counter() - t
+  return row
+
+
+def job(variant: str, count: int, config: str, where: str, env: dict) -> list[dict]:
+  """One job of `count` workers in `variant`: each one's row. A failed worker ends the run."""
+  import socket
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    coordinator = f'127.0.0.1:{s.getsockname()[1]}'
+  procs = [
+      subprocess.Popen([
+          sys.executable, '-m', 'benchmarks.restore_compile_hosts', '--worker', variant,
+          str(k),
+          str(count), coordinator, f'--config={config}', f'--where={where}'
+      ],
+                       cwd=REPO,
+                       env=env,
+                       stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE,
+                       text=True) for k in range(count)
+  ]
+  rows = []
+  for k, proc in enumerate(procs):
+    out, err = proc.communicate(timeout=1800)
+    if proc.returncode:
+      for p in procs:
+        p.kill()
+      raise SystemExit(f'{variant}: process {k} failed:\n{err[-3000:]}')
+    rows.append(json.loads(out.strip().splitlines()[-1]))
+  return rows
+
+
+def measure(config: str, count: int, repeats: int, scratch: str) -> tuple[list, dict]:
+  """(the table's rows, every job's rows by compile mode and variant)."""
+  from benchmarks.restore_buffers import _warm
+  env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX', 'XLA'))}
+  env.update(JAX_PLATFORMS='cpu', PYTHONPATH=str(REPO))
+  got: dict = {}
+  with tempfile.TemporaryDirectory(dir=scratch) as where:
+    job('save', count, config, where, {**env, 'JAX_ENABLE_COMPILATION_CACHE': 'false'})
+    files = sorted((Path(where) / 'step_00000001' / 'state').glob('*'))
+    modes = {
+        'cold': {**env, 'JAX_ENABLE_COMPILATION_CACHE': 'false'}, 'cached': {
+            **env, 'JAX_COMPILATION_CACHE_DIR': os.path.join(where, 'jax-cache'),
+            'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0'
+        }
+    }
+    for repeat in range(repeats + 1):  # the first round fills the cache; not counted
+      for mode, mode_env in modes.items():
+        for variant in VARIANTS:
+          for f in files:
+            _warm(str(f))
+          rows = job(variant, count, config, where, mode_env)
+          print(json.dumps({'compile': mode, 'variant': variant, 'rows': rows}), flush=True)
+          if repeat:
+            got.setdefault((mode, variant), []).append(rows)
+  out = []
+  for (mode, variant), runs in got.items():
+    row = {
+        'config': config, 'processes': count, 'compile': mode, 'variant': variant,
+        'runs': len(runs),
+        'job_s': statistics.median(max(r['seconds'] for r in run) for run in runs)
+    }
+    for key in ('restore_s', 'compile_s'):
+      if key in runs[0][0]:
+        row[key] = statistics.median(max(r[key] for r in run) for run in runs)
+    out.append(row)
+  for row in out:
+    first = next(r for r in out if r['compile'] == row['compile'] and r['variant'] == VARIANTS[0])
+    row['saved_s'] = first['job_s'] - row['job_s']
+    row['vs_sequential'] = row['job_s'] / first['job_s']
+  return out, {f'{mode}/{variant}': runs for (mode, variant), runs in got.items()}
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  ap.add_argument('--config', default='120m')
+  ap.add_argument('--processes', type=int, default=2)
+  ap.add_argument('--repeats', type=int, default=2, help='jobs per variant and compile mode')
+  ap.add_argument('--scratch', default=tempfile.gettempdir())
+  ap.add_argument('--where', default=None, help=argparse.SUPPRESS)
+  ap.add_argument('--worker', nargs=4, default=None, help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.worker:
+    variant, process, count, coordinator = args.worker
+    print(
+        json.dumps(worker(variant, int(process), int(count), coordinator, args.config, args.where)))
+    return
+  rows, runs = measure(args.config, args.processes, args.repeats, args.scratch)
+  print_table(rows, COLUMNS)
+  name = f'restore_compile_hosts-{args.config}'
+  print(f'wrote {write_results(name, rows, {"runs": runs})}')
+
+
+if __name__ == '__main__':
+  main()
