@@ -87,17 +87,24 @@ def remote_child(config: str, variant: str, url: str) -> dict:
 
 def child(config: str, variant: str, where: str) -> dict:
   _warm(_state_file(where))
-  import jax
 
   from benchmarks.states import get_config
   from jaxckpt.checkpoint import CheckpointManager
   from jaxckpt.train.state import build_trainer
   trainer = build_trainer(get_config(config))
+  return {
+      'config': config, **timed_restart(trainer, CheckpointManager(where, writer=False), variant)
+  }
+
+
+def timed_restart(trainer, mgr, variant: str) -> dict:
+  """A restart's restore of step 1 and its compile, in `variant` (VARIANTS): the seconds of the
+  whole (`seconds`) and, one after the other, of each (`restore_s`, `compile_s`)."""
+  import jax
   abstract = trainer.abstract_state()
-  mgr = CheckpointManager(where, writer=False)
-  row = {'config': config, 'variant': variant}
+  row = {'variant': variant}
   t = time.perf_counter()
-  if variant == 'restore while compiling':
+  if variant == VARIANTS[1]:
     state, _ = mgr.restore(1, abstract, meanwhile=trainer.compile_train_step)
     jax.block_until_ready(state)
   else:

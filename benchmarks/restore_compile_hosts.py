@@ -31,11 +31,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from benchmarks.common import print_table, write_results
-from benchmarks.restore_compile import VARIANTS
+from benchmarks.restore_compile import VARIANTS, timed_restart
 
 REPO = Path(__file__).resolve().parents[1]
 COLUMNS = [
@@ -61,23 +60,9 @@ def worker(variant: str, process: int, count: int, coordinator: str, config: str
       mgr.save(1, state)
     return {}
   trainer = build_trainer(get_config(config))
-  abstract = trainer.abstract_state()
   mgr = CheckpointManager(where, writer=False)
   multihost.client().wait_at_barrier(f'bench/restore_compile/{variant}', 600_000)
-  row = {'process': process}
-  t = time.perf_counter()
-  if variant == VARIANTS[1]:
-    state, _ = mgr.restore(1, abstract, meanwhile=trainer.compile_train_step)
-    jax.block_until_ready(state)
-  else:
-    state, _ = mgr.restore(1, abstract)
-    jax.block_until_ready(state)
-    row['restore_s'] = time.perf_counter() - t
-    t1 = time.perf_counter()
-    trainer.compile_train_step()
-    row['compile_s'] = time.perf_counter() - t1
-  row['seconds'] = time.perf_counter() - t
-  return row
+  return {'process': process, **timed_restart(trainer, mgr, variant)}
 
 
 def job(variant: str, count: int, config: str, where: str, env: dict) -> list[dict]:
