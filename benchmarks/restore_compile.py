@@ -188,6 +188,8 @@ def main(argv=None) -> None:
   ap.add_argument('--child', default=None, help=argparse.SUPPRESS)
   ap.add_argument('--where', default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  if args.repeats < 1:
+    ap.error('--repeats: at least 1 (the first round, which fills the caches, is not counted)')
   if args.child:
     run = remote_child if args.child in REMOTE_VARIANTS else child
     print(json.dumps(run(args.config, args.child, args.where)))

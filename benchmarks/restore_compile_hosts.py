@@ -145,6 +145,8 @@ def main(argv=None) -> None:
   ap.add_argument('--where', default=None, help=argparse.SUPPRESS)
   ap.add_argument('--worker', nargs=4, default=None, help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
+  if args.repeats < 1:
+    ap.error('--repeats: at least 1 (the first round, which fills the caches, is not counted)')
   if args.worker:
     variant, process, count, coordinator = args.worker
     print(
