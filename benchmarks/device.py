@@ -308,13 +308,17 @@ def deterministic_loop(env: dict, config: str) -> dict:
   without the flag, it says what the flag costs the step itself."""
   code = ('import json, sys; from benchmarks.device import steps_in_flight; '
           'print("RESULT " + json.dumps(steps_in_flight(sys.argv[1]), default=str))')
-  done = subprocess.run([sys.executable, '-c', code, config],
-                        cwd=REPO,
-                        env=env,
-                        capture_output=True,
-                        text=True,
-                        timeout=115,
-                        check=False)
+  try:
+    done = subprocess.run([sys.executable, '-c', code, config],
+                          cwd=REPO,
+                          env=env,
+                          capture_output=True,
+                          text=True,
+                          timeout=115,
+                          check=False)
+  except subprocess.TimeoutExpired as e:  # what it printed says how far it got
+    tail = e.stderr.decode(errors='replace') if isinstance(e.stderr, bytes) else (e.stderr or '')
+    raise RuntimeError(f'still running after 115 s: {tail[-1500:]}') from None
   lines = [l for l in done.stdout.splitlines() if l.startswith('RESULT ')]
   if done.returncode or not lines:
     raise RuntimeError(f'exit {done.returncode}: {done.stderr[-1500:]}')

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from benchmarks.common import print_table, write_results
@@ -66,32 +67,47 @@ def worker(variant: str, process: int, count: int, coordinator: str, config: str
 
 
 def job(variant: str, count: int, config: str, where: str, env: dict) -> list[dict]:
-  """One job of `count` workers in `variant`: each one's row. A failed worker ends the run."""
+  """One job of `count` workers in `variant`: each one's row. The first worker that fails ends
+  the others (they would wait for it at the barrier) and the run, with its output."""
   import socket
   with socket.socket() as s:
     s.bind(('127.0.0.1', 0))
     coordinator = f'127.0.0.1:{s.getsockname()[1]}'
-  procs = [
-      subprocess.Popen([
-          sys.executable, '-m', 'benchmarks.restore_compile_hosts', '--worker', variant,
-          str(k),
-          str(count), coordinator, f'--config={config}', f'--where={where}'
-      ],
-                       cwd=REPO,
-                       env=env,
-                       stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE,
-                       text=True) for k in range(count)
+  logs = [
+      Path(where) / f'{variant.replace(" ", "-").replace(",", "")}-{k}.log' for k in range(count)
   ]
-  rows = []
-  for k, proc in enumerate(procs):
-    out, err = proc.communicate(timeout=1800)
-    if proc.returncode:
-      for p in procs:
+  procs = []
+  for k, log in enumerate(logs):
+    with open(log, 'w') as out:  # a file, not a pipe: no worker blocks on output unread
+      procs.append(
+          subprocess.Popen([
+              sys.executable, '-m', 'benchmarks.restore_compile_hosts', '--worker', variant,
+              str(k),
+              str(count), coordinator, f'--config={config}', f'--where={where}'
+          ],
+                           cwd=REPO,
+                           env=env,
+                           stdout=out,
+                           stderr=subprocess.STDOUT))
+  deadline = time.monotonic() + 1800
+  try:
+    while any(p.poll() is None for p in procs):
+      failed = [k for k, p in enumerate(procs) if p.returncode]
+      if failed or time.monotonic() > deadline:
+        k = failed[0] if failed else 0
+        raise SystemExit(f'{variant}: process {k} ' + ('failed' if failed else 'timed out') +
+                         f':\n{logs[k].read_text()[-3000:]}')
+      time.sleep(0.2)
+    failed = [k for k, p in enumerate(procs) if p.returncode]
+    if failed:
+      raise SystemExit(f'{variant}: process {failed[0]} failed:\n'
+                       f'{logs[failed[0]].read_text()[-3000:]}')
+  finally:
+    for p in procs:
+      if p.poll() is None:
         p.kill()
-      raise SystemExit(f'{variant}: process {k} failed:\n{err[-3000:]}')
-    rows.append(json.loads(out.strip().splitlines()[-1]))
-  return rows
+        p.wait()
+  return [json.loads(log.read_text().strip().splitlines()[-1]) for log in logs]
 
 
 def measure(config: str, count: int, repeats: int, scratch: str) -> tuple[list, dict]:

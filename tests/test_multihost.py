@@ -7,6 +7,7 @@ One trainer start (`python -m jaxckpt.main`) checks what the processes agree to 
 """
 
 import json
+import os
 import shutil
 import sys
 import threading
@@ -38,7 +39,8 @@ def expected() -> dict[str, np.ndarray]:
 
 def worker(cmd: str, process: int, count: int, coordinator: str, directory: str, *rest: str):
   """One process: `save STEP [storage]`, `restore [storage]` (check every shard, save STEP+1),
-  `stall` (open the manager, never save) or `local STEP` (save with a process-local leaf)."""
+  `stall` (open the manager, never save), `local STEP` (save with a process-local leaf) or
+  `stuck` (restore beside `meanwhile` with reads that never return)."""
   import jax
   # `local`: one CPU device per process (gloo's collectives can hang with several, openxla/xla
   # #16430); the older commands keep their two.
@@ -81,12 +83,25 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
       n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[n]) for n, x in want.items()
   }
   step = mgr.latest_step()
+  if cmd == 'stuck':  # a read that never returns (a hung mount) beside meanwhile: E-CKPT-017
+    from jaxckpt.checkpoint import boxread, reading
+    reading.READ_WAIT_SECS, reading.READ_WAIT_BYTES_PER_SEC = 0.5, 1e18
+    never, pread = threading.Event(), boxread.pread_into
+    boxread.pread_into = lambda *args: never.wait() if threading.current_thread().name.startswith(
+        'jaxckpt-shard') else pread(*args)
+    try:
+      mgr.restore(step, target, meanwhile=lambda: None)
+    except CheckpointError as e:
+      print(f'ERROR {e}', flush=True)
+      os._exit(3)  # the stuck reader's pool would hold a normal exit (the trainer bounds it)
+    os._exit(0)
   # The trainer compiles its first step `meanwhile`: each process reads its byte ranges beside
   # it (orbax reads after it), so a read that waited for `meanwhile` would fail here.
-  from jaxckpt.checkpoint import multihost
-  read, real = threading.Event(), multihost.read_boxes
+  from jaxckpt.checkpoint import multihost, reading
+  read, real, readers = threading.Event(), multihost.read_boxes, []
 
   def watched(*args, **kwargs):
+    readers.append(threading.current_thread().name)
     try:
       return real(*args, **kwargs)
     finally:
@@ -98,7 +113,7 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
 
   multihost.read_boxes = watched
   state, run_state = mgr.restore(step, target, meanwhile=meanwhile)
-  assert read.is_set() == (storage != 'orbax')
+  assert readers == ([reading.READER] if storage != 'orbax' else []), readers
   assert run_state['note'] == 'hello', run_state
   for name, x in state.items():
     for shard in x.addressable_shards:
@@ -192,6 +207,9 @@ def test_four_processes_write_their_shards_once_and_restore_on_two_then_one(
 def test_one_process_checkpoint_restores_on_two(tmp_path, compile_cache):
   assert_all_ok(run(tmp_path, compile_cache, 'save', 1, '5'), 'saved')
   assert_all_ok(run(tmp_path, compile_cache, 'restore', 2), 'restored 5 on 2')
+  # Step 6, of 2 processes, read on 1 beside `meanwhile` by reads that never return: named.
+  [(code, out)] = run(tmp_path, compile_cache, 'stuck', 1)
+  assert code == 3 and 'ERROR E-CKPT-017: reading ' in out and 'step_00000006' in out, out[-3000:]
 
 
 def test_orbax_saves_and_restores_across_two_processes(tmp_path, compile_cache):

@@ -79,7 +79,8 @@ def test_sigkill_of_every_process_then_the_same_command_is_bit_identical(
   killed_at = max(committed_steps(stopped))
   again = train(compile_cache, stopped, 2, *flags)
   assert events_of(stopped, 'resumed')[0]['step'] == killed_at < 60
-  # Each process read its byte ranges while its first step compiled.
+  # Each process says it reads its byte ranges while its first step compiles (that it does:
+  # tests/test_multihost.py).
   assert all('compiling the train step while the checkpoint is read' in out for _, out in again)
   assert_same_bytes(arrays(stopped, 60), arrays(straight, 60))
   assert losses(stopped) == losses(straight)

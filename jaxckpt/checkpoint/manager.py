@@ -407,9 +407,9 @@ class CheckpointManager:
 
     `verify=False` skips checking the files against the manifest, for a caller that just did.
 
-    `meanwhile()` (a compile of the first step) runs on this thread while the state file (across
-    processes, this process's byte ranges of them) is read into host memory on another; then this
-    thread places what landed, the rest as it lands. From orbax, the read follows it.
+    `meanwhile()` (a compile of the first step) runs on this thread while the state file is read
+    into host memory on another; then this thread places what landed, the rest as it lands (from
+    several files, this process's byte ranges, placed once read). From orbax, the read follows.
     """
     step_dir = self._resolve(step_or_dir)
     raw, meta = manifest.read_bytes(step_dir)

@@ -338,13 +338,15 @@ def held_boxes(want: Mapping[str, Any]) -> Held:
   return out
 
 
-def held_bytes(held: Held) -> int:
-  """The bytes `read_boxes` reads into this process's host memory."""
+def read_bound(shards: shardtable.Table, held: Held) -> int:
+  """At most the bytes `read_boxes` reads from the files for `held`: every shard overlapping a
+  box, whole (a window of a shard is read first byte to last, so a box that cuts a shard's
+  columns reads most of its rows)."""
   return sum(
-      math.prod(hi - lo
-                for lo, hi in b) * dtype.itemsize
-      for boxes, dtype in held.values()
-      for b in boxes)
+      math.prod(s['shape']) * dtype.itemsize
+      for name, (boxes, dtype) in held.items()
+      for b in boxes
+      for s in shards.overlapping(name, b))
 
 
 def read_boxes(step_dir: Path, shards: shardtable.Table, held: Held, *,

@@ -62,7 +62,7 @@ def read_arrays(step_dir: Path,
     boxes = beside.beside(
         lambda: multihost.read_boxes(step_dir, shards, held, checksums=checksums),
         meanwhile,
-        _stuck(step_dir, multihost.held_bytes(held)),
+        _stuck(step_dir, multihost.read_bound(shards, held)),
         name=READER)
     return multihost.place(want, boxes)
   if not single:

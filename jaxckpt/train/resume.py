@@ -18,7 +18,6 @@ import numpy as np
 from absl import logging
 
 from jaxckpt.checkpoint import ArgumentError, CheckpointError, discovery, layout, named_leaves
-from jaxckpt.checkpoint.formats import SAFETENSORS
 from jaxckpt.errors import ResumeError
 from jaxckpt.hosts import distributed
 from jaxckpt.model import bandit as bandit_lib
@@ -285,9 +284,9 @@ def _compile_beside(trainer, resume_dir: Path, meta: dict[str, Any]):
   compiled already (while the checkpoint came down), or the run is finished."""
   if not trainer.must_compile(layout.parse_step(resume_dir.name)):
     return None
-  # A safetensors checkpoint is read beside the compile (each process its own byte ranges); one
-  # of orbax after it.
-  beside = meta.get('storage') == SAFETENSORS
+  # A checkpoint of jaxckpt's own format is read beside the compile (each process its own byte
+  # ranges); one of orbax's after it.
+  beside = meta.get('storage') != 'orbax'
   logging.info('compiling the train step%s...', ' while the checkpoint is read' if beside else '')
   return trainer.compile_train_step
 
