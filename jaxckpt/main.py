@@ -66,4 +66,6 @@ if __name__ == '__main__':
   # First, before the slow imports: from here to exit a signal is a flag, never a kill.
   watcher = signals.PreemptionWatcher().install_until_exit()
   parser.configure_logging()
-  app.run(functools.partial(main, watcher=watcher), flags_parser=trainer_flags.parse_flags_or_exit)
+  # A thread stuck on a hung disk or store holds the exit EXIT_WAIT_SECS at most.
+  parser.exit_within(lambda: app.run(
+      functools.partial(main, watcher=watcher), flags_parser=trainer_flags.parse_flags_or_exit))

@@ -9,13 +9,16 @@ are each named, and the compiled train step is the one the first step runs.
 """
 
 import logging
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import jax
 import numpy as np
 import pytest
-from conftest import TINY, flip_a_data_byte
+from conftest import REPO, TINY, flip_a_data_byte, subprocess_env
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -260,3 +263,40 @@ def test_a_file_of_several_chunks_is_placed_as_it_lands(tmp_path, read_done):
   assert read_done.is_set() and sorted(restored) == sorted(state)
   for name, x in state.items():
     assert np.asarray(restored[name]).tobytes() == np.asarray(x).tobytes(), name
+
+
+HUNG_READ = textwrap.dedent("""
+    import runpy, sys, threading
+    from jaxckpt.checkpoint import reading, statefile
+    from jaxckpt.cli import parser
+    reading.READ_WAIT_SECS, reading.READ_WAIT_BYTES_PER_SEC = 1, 1e18
+    parser.EXIT_WAIT_SECS = 3
+    real, never = statefile.pread_into, threading.Event()
+
+    def hung(*args):  # the reader pool's reads never return, as on a hung mount
+      if threading.current_thread().name.startswith('jaxckpt-read'):
+        never.wait()
+      return real(*args)
+
+    statefile.pread_into = hung
+    sys.argv = ['jaxckpt.main', *sys.argv[1:]]
+    runpy.run_module('jaxckpt.main', run_name='__main__', alter_sys=True)
+""")
+
+
+def test_a_restart_whose_read_never_returns_exits_instead_of_hanging(trainer, tmp_path):
+  """A restart's read stuck in the kernel (a hung mount) is E-CKPT-017; the process then exits
+  with its status once EXIT_WAIT_SECS have passed, naming the threads it leaves, where Python's
+  exit would join the reader pool's threads forever."""
+  done = trainer.train(tmp_path, '--config.train.steps=4', '--checkpoint_every=2')
+  assert done.returncode == 0, done.stderr[-3000:]
+  flags = trainer.command(tmp_path, '--config.train.steps=8', '--checkpoint_every=2')[3:]
+  done = subprocess.run([sys.executable, '-c', HUNG_READ, *flags],
+                        cwd=REPO,
+                        env=subprocess_env(trainer.cache),
+                        capture_output=True,
+                        text=True,
+                        timeout=180)
+  assert done.returncode == 1, done.stderr[-3000:]
+  assert 'jaxckpt: E-CKPT-017: reading ' in done.stderr
+  assert 'exiting without waiting any longer for thread(s) jaxckpt-read' in done.stderr

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import logging as py_logging
 import os
+import re
 import select
 import signal
 import sys
-from typing import Callable
+import threading
+from typing import Any, Callable
 
 from absl import logging
 
@@ -31,6 +34,53 @@ def exit_with(e: CheckpointError) -> None:
     _drop_stdout()
   print(f'jaxckpt: {e.line()}', file=sys.stderr, flush=True)
   sys.exit(exit_code(e))
+
+
+# At exit Python joins every thread still running (a ThreadPoolExecutor's workers included): one
+# stuck in a read or write a hung disk or store never answers (after E-CKPT-017, say) would hold
+# the process forever. The trainer's process waits this long for them, then exits without them.
+EXIT_WAIT_SECS = 30.0
+
+
+def exit_within(run: Callable[[], Any]) -> None:
+  """`run()`, which ends by exiting (`absl.app.run`). The interpreter then joins the threads still
+  running: past EXIT_WAIT_SECS this names them on stderr and ends the process with the same exit
+  status. The exit's later work (`atexit`: leaving the job) is not cut short. For a command's own
+  process only (`__main__`): the watcher it starts outlives `run`."""
+  try:
+    run()
+  except SystemExit as e:
+    _bound_exit(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
+    raise
+  except BaseException:
+    _bound_exit(1)
+    raise
+  _bound_exit(0)
+
+
+def _bound_exit(status: int) -> None:
+  joined = threading.Event()
+  atexit.register(joined.set)  # atexit runs once every thread has been joined
+
+  def watch() -> None:
+    if joined.wait(EXIT_WAIT_SECS):
+      return
+    # What the exit joins: threads not daemon, and executors' workers (`<prefix>_<n>`), which
+    # concurrent.futures joins at exit whatever their daemon flag.
+    left = sorted(
+        t.name
+        for t in threading.enumerate()
+        if t not in (threading.main_thread(),
+                     threading.current_thread()) and (not t.daemon or re.search(r'_\d+$', t.name)))
+    print(
+        f'jaxckpt: exiting without waiting any longer for thread(s) {", ".join(left) or "?"}: '
+        f'still running {EXIT_WAIT_SECS:g} s after the end (a read or write that a disk or '
+        'store does not answer)',
+        file=sys.stderr,
+        flush=True)
+    os._exit(status)
+
+  threading.Thread(target=watch, name='jaxckpt-exit', daemon=True).start()
 
 
 def run_reporting_errors(fn: Callable[[], int | None]) -> int:
