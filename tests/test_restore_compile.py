@@ -300,3 +300,32 @@ def test_a_restart_whose_read_never_returns_exits_instead_of_hanging(trainer, tm
   assert done.returncode == 1, done.stderr[-3000:]
   assert 'jaxckpt: E-CKPT-017: reading ' in done.stderr
   assert 'exiting without waiting any longer for thread(s) jaxckpt-read' in done.stderr
+
+
+def test_the_stuck_bound_across_files_covers_every_byte_the_read_reads(tmp_path, monkeypatch):
+  """Beside `meanwhile`, a restore from several files is E-CKPT-017 after 120 s + a second per
+  20 MB of `multihost.read_bound`: that must cover what the read reads, not what it keeps. A box
+  that cuts a shard's columns reads most of its rows: here 4 column strips of a 1 MiB shard."""
+  from jaxckpt.checkpoint import boxread, manifest, multihost, shardtable
+  from jaxckpt.checkpoint.formats import data_file
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ('data', 'model'))
+  x = jax.device_put(np.arange(512 * 512, dtype=np.float32).reshape(512, 512))
+  with CheckpointManager(tmp_path, CheckpointOptions(mode='sync')) as mgr:
+    mgr.save(1, {'w': x})
+  step_dir = tmp_path / 'step_00000001'
+  meta = manifest.read(step_dir)
+  shards = shardtable.shard_table(step_dir, meta, data_file(meta))
+  want = {
+      'w': jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(None, 'model')))
+  }
+  read, real = [], boxread.pread_into
+  monkeypatch.setattr(boxread, 'pread_into',
+                      lambda fd, view, at: read.append(len(view)) or real(fd, view, at))
+  monkeypatch.setattr(boxread, 'WINDOW', 64 << 10)  # windows of rows, as for a large shard
+  held = multihost.held_boxes(want)
+  boxes = multihost.read_boxes(step_dir, shards, held, checksums=True)
+  kept = sum(b.nbytes for b in boxes['w'].values())
+  assert kept == x.nbytes  # the 4 strips: the whole array once
+  assert kept < sum(read) <= multihost.read_bound(shards, held) == 4 * x.nbytes
+  restored = multihost.place(want, boxes)['w']
+  assert np.asarray(restored).tobytes() == np.asarray(x).tobytes()
