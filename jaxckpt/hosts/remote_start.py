@@ -48,6 +48,7 @@ def sync_down(run,
               *,
               resume: str,
               fetch: bool,
+              waits_for_fetch: bool = False,
               local_too: bool = True,
               meanwhile: Callable[[], Any] | None = None) -> None:
   """Brings the workdir of `run` (a `RemoteRun`) to the newest intact checkpoint of either tier
@@ -55,7 +56,8 @@ def sync_down(run,
   its resume point, or a process that waits for process 0's download) it only learns that.
   Without `local_too` the remote's newest is downloaded whatever this workdir holds (each
   host's own disk, where the processes hold different checkpoints). A download runs beside
-  `meanwhile()` (the first step's compile; see `fetch_step`)."""
+  `meanwhile()` (the first step's compile; see `fetch_step`); with `waits_for_fetch` (another
+  process downloads into this workdir), `meanwhile()` runs here when it has a step to fetch."""
   url = run.store.url
   local, _ = discovery.latest_intact(ckpt_dir, checksums=False) if local_too else (None, [])
   local_step = layout.parse_step(local.name) if local is not None else None
@@ -75,7 +77,12 @@ def sync_down(run,
       continue
     if run.start_step is None:
       run.start_step = step
-    if not fetch or (local_step is not None and local_step >= step):
+    if local_step is not None and local_step >= step:
+      return
+    if not fetch:
+      if waits_for_fetch and meanwhile is not None:
+        logging.info('compiling the train step while process 0 fetches step %d from %s', step, url)
+        meanwhile()
       return
     try:
       fetch_step(run, step, ckpt_dir, local_step, meanwhile=meanwhile)

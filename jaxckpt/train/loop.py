@@ -151,18 +151,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
           workdir=workdir,
           part_bytes=tree_nbytes(trainer.abstract_state()) // distributed.current().count,
           keep=config.checkpoint.keep)
-    # A newer remote checkpoint (and its records) comes down; the others wait for process 0's.
-    # One process alone compiles its first step meanwhile (across processes the others would wait
-    # for that compile too, within the barrier's timeout).
-    alone = distributed.current().count == 1
+    # A newer remote checkpoint (and its records) comes down into the workdir, by process 0; every
+    # process compiles its first step meanwhile, and the others then wait for the download.
+    fetched_here = resume == 'latest' and shared
     distributed.together(
         'remote_synced',
         lambda: remote and remote.sync_down(
             ckpt_dir,
             resume=resume,
-            fetch=resume == 'latest' and distributed.leader() and shared,
+            fetch=fetched_here and distributed.leader(),
+            waits_for_fetch=fetched_here and not distributed.leader(),
             # By then the remote's newest step is known: a run finished there compiles nothing.
-            meanwhile=(lambda: trainer.compile_train_step(remote.start_step)) if alone else None))
+            meanwhile=lambda: trainer.compile_train_step(remote.start_step)))
     if shared or resume != 'latest':
       resume_dir = distributed.together('resume_point',
                                         lambda: resume_lib.find_resume_point(resume, ckpt_dir))
