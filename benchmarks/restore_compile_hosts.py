@@ -21,12 +21,22 @@ Each with a cold compile (no persistent compilation cache) and a warm one. The s
 read once before each job, so they are in the page cache (the disk is out of it); the processes
 share this machine's cores, so their compiles and reads compete for them.
 
-Prints a table and writes benchmarks/results/restore_compile_hosts-<config>.json.
+`--remote`: a fresh job on one shared, empty workdir instead, the checkpoint in a local S3 server
+(moto, niced, on the same cores), a cold compile. Timed from a common barrier to the checkpoint
+downloaded and every process's step compiled (the restore after it is the same in both):
+
+  * `download, then compile`: process 0 downloads while the others wait, then every process
+    compiles (what the trainer did);
+  * `download while compiling`: process 0 downloads beside its compile and the others compile
+    while they wait (`sync_down(waits_for_fetch=True)`, what it does now).
+
+Prints a table and writes benchmarks/results/restore_compile_hosts-<config>[-remote].json.
 """
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,9 +48,10 @@ from benchmarks.common import print_table, write_results
 from benchmarks.restore_compile import VARIANTS, timed_restart
 
 REPO = Path(__file__).resolve().parents[1]
+REMOTE_VARIANTS = ('download, then compile', 'download while compiling')
 COLUMNS = [
-    'config', 'processes', 'compile', 'variant', 'job_s', 'restore_s', 'compile_s', 'saved_s',
-    'vs_sequential', 'runs'
+    'config', 'processes', 'compile', 'variant', 'job_s', 'download_s', 'restore_s', 'compile_s',
+    'saved_s', 'vs_sequential', 'runs'
 ]
 
 
@@ -60,10 +71,77 @@ def worker(variant: str, process: int, count: int, coordinator: str, config: str
     with CheckpointManager(where, CheckpointOptions(keep=1, mode='sync')) as mgr:
       mgr.save(1, state)
     return {}
+  if variant in REMOTE_VARIANTS:
+    return fetch_worker(variant, process, build_trainer(get_config(config)), where)
   trainer = build_trainer(get_config(config))
   mgr = CheckpointManager(where, writer=False)
   multihost.client().wait_at_barrier(f'bench/restore_compile/{variant}', 600_000)
   return {'process': process, **timed_restart(trainer, mgr, variant)}
+
+
+def fetch_worker(variant: str, process: int, trainer, where: str) -> dict:
+  """A fresh job's start on one shared workdir: process 0 downloads step 1 from $BENCH_URL into
+  `where`; every process compiles, after the download or beside it."""
+  from jaxckpt.checkpoint import multihost
+  from jaxckpt.checkpoint.remote import Store, objects
+  from jaxckpt.hosts.remote_start import _beside, _Progress
+  client, row = multihost.client(), {'process': process}
+  download = lambda: objects.download(Store(os.environ['BENCH_URL']), 1, Path(where))
+  client.wait_at_barrier('bench/fetch/start', 600_000)
+  t = time.perf_counter()
+  if process == 0 and variant == REMOTE_VARIANTS[1]:
+    _beside(download, trainer.compile_train_step, _Progress(1), 'step 1')
+  elif process == 0:
+    download()
+  elif variant == REMOTE_VARIANTS[1]:
+    trainer.compile_train_step()  # while process 0 downloads
+  if process == 0:
+    row['download_s'] = time.perf_counter() - t  # its compile included, when beside it
+  client.wait_at_barrier('bench/fetch/synced', 600_000)  # the trainer's `remote_synced`
+  row['synced_s'] = time.perf_counter() - t  # every process: the download is there
+  if variant == REMOTE_VARIANTS[0]:
+    trainer.compile_train_step()
+  row['seconds'] = time.perf_counter() - t
+  return row
+
+
+def measure_remote(config: str, count: int, repeats: int, scratch: str) -> tuple[list, dict]:
+  """The `--remote` table's rows, and every job's rows by variant."""
+  from benchmarks.remote import BUCKET, Server
+  from benchmarks.restore_compile import _upload
+  got: dict = {}
+  with tempfile.TemporaryDirectory(dir=scratch) as where:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(('JAX', 'XLA'))}
+    env.update(JAX_PLATFORMS='cpu', PYTHONPATH=str(REPO), JAX_ENABLE_COMPILATION_CACHE='false')
+    job('save', count, config, where, env)
+    server = Server()  # its endpoint and credentials go into os.environ
+    try:
+      url = f's3://{BUCKET}/restore-compile-hosts'
+      _upload(where, url)
+      env = {**env, **{k: v for k, v in os.environ.items() if k.startswith('AWS_')}}
+      env['BENCH_URL'] = url
+      for repeat in range(repeats + 1):  # the first round is not counted
+        for variant in REMOTE_VARIANTS:
+          fresh = tempfile.mkdtemp(dir=where)
+          rows = job(variant, count, config, fresh, env)
+          shutil.rmtree(fresh)
+          print(json.dumps({'variant': variant, 'rows': rows}), flush=True)
+          if repeat:
+            got.setdefault(variant, []).append(rows)
+    finally:
+      server.stop()
+  out = []
+  for variant, runs in got.items():
+    out.append({
+        'config': config, 'processes': count, 'compile': 'cold', 'variant': variant,
+        'runs': len(runs),
+        'job_s': statistics.median(max(r['seconds'] for r in run) for run in runs),
+        'download_s': statistics.median(run[0]['download_s'] for run in runs)
+    })
+  for row in out:
+    row['saved_s'] = out[0]['job_s'] - row['job_s']
+    row['vs_sequential'] = row['job_s'] / out[0]['job_s']
+  return out, got
 
 
 def job(variant: str, count: int, config: str, where: str, env: dict) -> list[dict]:
@@ -157,6 +235,7 @@ def main(argv=None) -> None:
   ap.add_argument('--config', default='120m')
   ap.add_argument('--processes', type=int, default=2)
   ap.add_argument('--repeats', type=int, default=2, help='jobs per variant and compile mode')
+  ap.add_argument('--remote', action='store_true', help='a fresh job, from a local S3 server')
   ap.add_argument('--scratch', default=tempfile.gettempdir())
   ap.add_argument('--where', default=None, help=argparse.SUPPRESS)
   ap.add_argument('--worker', nargs=4, default=None, help=argparse.SUPPRESS)
@@ -168,9 +247,10 @@ def main(argv=None) -> None:
     print(
         json.dumps(worker(variant, int(process), int(count), coordinator, args.config, args.where)))
     return
-  rows, runs = measure(args.config, args.processes, args.repeats, args.scratch)
+  run = measure_remote if args.remote else measure
+  rows, runs = run(args.config, args.processes, args.repeats, args.scratch)
   print_table(rows, COLUMNS)
-  name = f'restore_compile_hosts-{args.config}'
+  name = f'restore_compile_hosts-{args.config}' + ('-remote' if args.remote else '')
   print(f'wrote {write_results(name, rows, {"runs": runs})}')
 
 

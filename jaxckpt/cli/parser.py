@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import logging as py_logging
 import os
 import re
@@ -45,12 +46,15 @@ EXIT_WAIT_SECS = 30.0
 def exit_within(run: Callable[[], Any]) -> None:
   """`run()`, which ends by exiting (`absl.app.run`). The interpreter then joins the threads still
   running: past EXIT_WAIT_SECS this names them on stderr and ends the process with the same exit
-  status. The exit's later work (`atexit`: leaving the job) is not cut short. For a command's own
-  process only (`__main__`): the watcher it starts outlives `run`."""
+  status, once the exit's own work (`atexit`: leaving the job) has run, within the same bound.
+  For a command's own process only (`__main__`): the watcher it starts outlives `run`."""
   try:
     run()
   except SystemExit as e:
     _bound_exit(e.code if isinstance(e.code, int) else (0 if e.code is None else 1))
+    raise
+  except KeyboardInterrupt:
+    _bound_exit(128 + signal.SIGINT)
     raise
   except BaseException:
     _bound_exit(1)
@@ -78,6 +82,17 @@ def _bound_exit(status: int) -> None:
         'store does not answer)',
         file=sys.stderr,
         flush=True)
+    # The exit's own work still runs (leaving the job, which may end the process itself), within
+    # the same bound, from here: the main thread is still joining.
+    leaving = threading.Thread(
+        target=atexit._run_exitfuncs,  # pylint: disable=protected-access
+        name='jaxckpt-atexit',
+        daemon=True)
+    leaving.start()
+    leaving.join(EXIT_WAIT_SECS)
+    for stream in (sys.stdout, sys.stderr):
+      with contextlib.suppress(Exception):
+        stream.flush()
     os._exit(status)
 
   threading.Thread(target=watch, name='jaxckpt-exit', daemon=True).start()

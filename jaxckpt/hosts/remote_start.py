@@ -57,7 +57,9 @@ def sync_down(run,
   Without `local_too` the remote's newest is downloaded whatever this workdir holds (each
   host's own disk, where the processes hold different checkpoints). A download runs beside
   `meanwhile()` (the first step's compile; see `fetch_step`); with `waits_for_fetch` (another
-  process downloads into this workdir), `meanwhile()` runs here when it has a step to fetch."""
+  process downloads into this workdir), `meanwhile()` runs here when it has a step to fetch. A
+  process that looks once that download is already in (a late start) runs none: it compiles
+  beside its restore instead."""
   url = run.store.url
   local, _ = discovery.latest_intact(ckpt_dir, checksums=False) if local_too else (None, [])
   local_step = layout.parse_step(local.name) if local is not None else None
@@ -80,8 +82,7 @@ def sync_down(run,
     if local_step is not None and local_step >= step:
       return
     if not fetch:
-      if waits_for_fetch and meanwhile is not None:
-        logging.info('compiling the train step while process 0 fetches step %d from %s', step, url)
+      if waits_for_fetch and meanwhile is not None:  # what it says, it says itself
         meanwhile()
       return
     try:

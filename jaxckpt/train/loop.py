@@ -154,15 +154,21 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     # A newer remote checkpoint (and its records) comes down into the workdir, by process 0; every
     # process compiles its first step meanwhile, and the others then wait for the download.
     fetched_here = resume == 'latest' and shared
+
+    def compile_first(
+    ) -> None:  # by then the remote's newest is known: a finished run compiles none
+      if not distributed.leader() and trainer.must_compile(remote.start_step):
+        logging.info('compiling the train step while process 0 fetches step %d from %s',
+                     remote.start_step, remote.store.url)
+      trainer.compile_train_step(remote.start_step)
+
     distributed.together(
-        'remote_synced',
-        lambda: remote and remote.sync_down(
+        'remote_synced', lambda: remote and remote.sync_down(
             ckpt_dir,
             resume=resume,
             fetch=fetched_here and distributed.leader(),
             waits_for_fetch=fetched_here and not distributed.leader(),
-            # By then the remote's newest step is known: a run finished there compiles nothing.
-            meanwhile=lambda: trainer.compile_train_step(remote.start_step)))
+            meanwhile=compile_first))
     if shared or resume != 'latest':
       resume_dir = distributed.together('resume_point',
                                         lambda: resume_lib.find_resume_point(resume, ckpt_dir))
