@@ -28,7 +28,7 @@ downloaded and every process's step compiled (the restore after it is the same i
   * `download, then compile`: process 0 downloads while the others wait, then every process
     compiles (what the trainer did);
   * `download while compiling`: process 0 downloads beside its compile and the others compile
-    while they wait (`sync_down(waits_for_fetch=True)`, what it does now).
+    while they wait (`sync_down(..., meanwhile=)` without `fetch`, what it does now).
 
 Prints a table and writes benchmarks/results/restore_compile_hosts-<config>[-remote].json.
 """

@@ -144,21 +144,14 @@ class RemoteRun:
                 *,
                 resume: str = 'latest',
                 fetch: bool = True,
-                waits_for_fetch: bool = False,
                 local_too: bool = True,
                 meanwhile: Callable[[], Any] | None = None) -> None:
     """Brings the workdir to the newest intact checkpoint of either tier, or refuses to start
     (`remote_start.sync_down`). Without `fetch` it only learns the remote's newest step. A
-    download runs beside `meanwhile()` (the first step's compile), and so does a process that
-    `waits_for_fetch` (process 0's download into the same workdir)."""
+    download runs beside `meanwhile()` (the first step's compile); without `fetch`, `meanwhile()`
+    runs while another process downloads into the same workdir."""
     remote_start.sync_down(
-        self,
-        ckpt_dir,
-        resume=resume,
-        fetch=fetch,
-        waits_for_fetch=waits_for_fetch,
-        local_too=local_too,
-        meanwhile=meanwhile)
+        self, ckpt_dir, resume=resume, fetch=fetch, local_too=local_too, meanwhile=meanwhile)
 
   def resume_point(self, ckpt_dir: Path) -> Path | None:
     """Where each host's workdir is its own disk and the peer restore found nothing whole: the

@@ -48,7 +48,6 @@ def sync_down(run,
               *,
               resume: str,
               fetch: bool,
-              waits_for_fetch: bool = False,
               local_too: bool = True,
               meanwhile: Callable[[], Any] | None = None) -> None:
   """Brings the workdir of `run` (a `RemoteRun`) to the newest intact checkpoint of either tier
@@ -56,10 +55,10 @@ def sync_down(run,
   its resume point, or a process that waits for process 0's download) it only learns that.
   Without `local_too` the remote's newest is downloaded whatever this workdir holds (each
   host's own disk, where the processes hold different checkpoints). A download runs beside
-  `meanwhile()` (the first step's compile; see `fetch_step`); with `waits_for_fetch` (another
-  process downloads into this workdir), `meanwhile()` runs here when it has a step to fetch. A
-  process that looks once that download is already in (a late start) runs none: it compiles
-  beside its restore instead."""
+  `meanwhile()` (the first step's compile; see `fetch_step`). Without `fetch`, a `meanwhile` given
+  is for a process that waits for another's download into this workdir: it runs here when this
+  workdir lacks the remote's newest. A process that looks once that download is already in (a
+  late start) runs none: it compiles beside its restore instead."""
   url = run.store.url
   local, _ = discovery.latest_intact(ckpt_dir, checksums=False) if local_too else (None, [])
   local_step = layout.parse_step(local.name) if local is not None else None
@@ -82,7 +81,7 @@ def sync_down(run,
     if local_step is not None and local_step >= step:
       return
     if not fetch:
-      if waits_for_fetch and meanwhile is not None:  # what it says, it says itself
+      if meanwhile is not None:  # what it says, it says itself
         meanwhile()
       return
     try:

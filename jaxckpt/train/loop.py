@@ -155,8 +155,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
     # process compiles its first step meanwhile, and the others then wait for the download.
     fetched_here = resume == 'latest' and shared
 
-    def compile_first(
-    ) -> None:  # by then the remote's newest is known: a finished run compiles none
+    # By then the remote's newest step is known: a run finished there compiles nothing.
+    def compile_first() -> None:
       if not distributed.leader() and trainer.must_compile(remote.start_step):
         logging.info('compiling the train step while process 0 fetches step %d from %s',
                      remote.start_step, remote.store.url)
@@ -167,8 +167,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
             ckpt_dir,
             resume=resume,
             fetch=fetched_here and distributed.leader(),
-            waits_for_fetch=fetched_here and not distributed.leader(),
-            meanwhile=compile_first))
+            meanwhile=compile_first if fetched_here else None))
     if shared or resume != 'latest':
       resume_dir = distributed.together('resume_point',
                                         lambda: resume_lib.find_resume_point(resume, ckpt_dir))
