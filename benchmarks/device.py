@@ -21,6 +21,8 @@ why) in OUT/device.json as soon as it ends:
    trainer runs' flag): what that flag alone costs the jitted step, apart from the trainer.
 8. restart: a restart's restore and its first compile, one after the other and overlapped, with
    a cold compile and a warm cache (`benchmarks.restore_compile`, one round in fresh processes).
+9. transfer: device-to-host copies of the state round after round, each way in a fresh process
+   (`benchmarks.device_transfer`): why a run's first checkpoints cost more than later ones.
 
 Nothing here assumes a CPU; on one it runs too (slowly: pass --steps to shrink).
 """
@@ -42,7 +44,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / 'configs' / 'andrea_120m.py')
 BUDGET_S = 540  # the whole run: under 9 minutes
-STEPS = ('device', 'tests', 'train', 'resume', 'blocking', 'bound', 'deterministic', 'restart')
+STEPS = ('device', 'tests', 'train', 'resume', 'blocking', 'bound', 'deterministic', 'restart',
+         'transfer')
+# The transfer step's runs: (name, arguments, environment added). `malloc_kept` keeps what glibc
+# frees in the heap (arrays up to its 32 MiB mmap limit) instead of handing it back to the kernel.
+TRANSFERS = (('stager', ('--how=stager', '--busy'), {}), ('numpy', ('--how=numpy', '--busy'), {}),
+             ('pinned', ('--how=pinned', '--busy'), {}), ('malloc_kept', ('--how=numpy',), {
+                 'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 40)
+             }), ('fault', ('--how=fault', '--rounds=3'), {}))
 
 
 def main(argv=None) -> int:
@@ -77,7 +86,8 @@ def main(argv=None) -> int:
              ('resume', 150, kill_and_resume, env, work, args.config, args.steps),
              ('blocking', 120, blocking, args.config), ('bound', 90, steps_in_flight, args.config),
              ('deterministic', 120, deterministic_loop, env, args.config),
-             ('restart', 150, restart, args.config, work)]
+             ('restart', 150, restart, args.config, work),
+             ('transfer', 120, transfer, env, args.config)]
     for name, budget, fn, *fn_args in steps:
       if only is not None and name not in only:
         continue
@@ -323,6 +333,25 @@ def deterministic_loop(env: dict, config: str) -> dict:
   if done.returncode or not lines:
     raise RuntimeError(f'exit {done.returncode}: {done.stderr[-1500:]}')
   return {'xla_flags': env.get('XLA_FLAGS', ''), **json.loads(lines[-1][len('RESULT '):])}
+
+
+def transfer(env: dict, config: str) -> dict:
+  """`benchmarks.device_transfer` once per way in TRANSFERS, each in a fresh process."""
+  rows = {}
+  for name, args, extra in TRANSFERS:
+    command = [sys.executable, '-m', 'benchmarks.device_transfer', f'--config={config}', *args]
+    try:
+      done = subprocess.run(
+          command, cwd=REPO, env={**env, **extra}, capture_output=True, text=True, timeout=100)
+    except subprocess.TimeoutExpired:
+      rows[name] = {'failed': 'still running after 100 s'}
+      continue
+    lines = [l for l in done.stdout.splitlines() if l.startswith('RESULT ')]
+    rows[name] = json.loads(lines[-1][len('RESULT '):]) if lines and not done.returncode else {
+        'failed': f'exit {done.returncode}: {done.stderr[-800:]}'
+    }
+    print(name, json.dumps(rows[name]), flush=True)
+  return rows
 
 
 def restart(config: str, work: Path) -> dict:

@@ -107,3 +107,36 @@ def test_the_trainer_with_device_staging_writes_the_same_run(trainer, tmp_path):
     host, device = (
         state_file(tmp_path / w / 'checkpoints' / f'step_{step:08d}') for w in ('host', 'device'))
     assert host.read_bytes() == device.read_bytes(), step
+
+
+@pytest.mark.parametrize('window, split', [(1, 1 << 30), (1 << 20, 1)])
+def test_staging_through_pinned_host_memory_stages_the_same_bytes(devices_mesh, monkeypatch, window,
+                                                                  split):
+  """The accelerator's way (pinned host memory, in windows, one window arriving while the last
+  is copied), forced here on CPU devices: the same buffer as the plain copy, sources untouched.
+  One window per leaf, then every leaf in one window copied by two threads."""
+  monkeypatch.setattr(staging, 'PINNED_WINDOW', window)
+  monkeypatch.setattr(staging, '_SPLIT_MIN_BYTES', split)
+  state = sharded_state(devices_mesh)
+  leaves = dict(zip(('b', 'w', 'count', 'mu'), jax.tree.leaves(state)))
+  at_call = host_bytes(state)
+  through, plain = staging.HostStager(pinned=True), staging.HostStager(pinned=False)
+  try:
+    staged = through.stage(leaves)
+    plain.stage(leaves)
+    assert through.region.tobytes() == plain.region.tobytes()
+    for name, x in leaves.items():
+      np.testing.assert_array_equal(staged[name], np.asarray(x))
+    assert host_bytes(state) == at_call  # the sources were copied, not deleted
+  finally:
+    through.close()
+    plain.close()
+
+
+def test_staging_takes_pinned_memory_only_on_an_accelerator():
+  x = jnp.ones((4,))
+  expected = x.devices().pop().platform != 'cpu'
+  assert staging.HostStager()._through_pinned(x) == expected  # pylint: disable=protected-access
+  pinned = jax.device_put(x, x.sharding.with_memory_kind('pinned_host'))
+  assert not staging.HostStager(pinned=True)._through_pinned(pinned)  # already there
+  assert staging._windows({'a': 3, 'b': 3, 'c': 10, 'd': 1}, 6) == [['a', 'b'], ['c'], ['d']]
