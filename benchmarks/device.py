@@ -51,7 +51,9 @@ STEPS = ('device', 'tests', 'train', 'resume', 'blocking', 'bound', 'determinist
 TRANSFERS = (('stager', ('--how=stager', '--busy'), {}), ('numpy', ('--how=numpy', '--busy'), {}),
              ('pinned', ('--how=pinned', '--busy'), {}), ('malloc_kept', ('--how=numpy',), {
                  'MALLOC_MMAP_THRESHOLD_': str(32 << 20), 'MALLOC_TRIM_THRESHOLD_': str(1 << 40)
-             }), ('fault', ('--how=fault', '--rounds=3'), {}))
+             }), ('h2d', ('--how=h2d', '--rounds=4'),
+                  {}), ('h2d_pinned', ('--how=h2d_pinned', '--rounds=4'),
+                        {}), ('fault', ('--how=fault', '--rounds=3'), {}))
 
 
 def main(argv=None) -> int:
@@ -87,7 +89,7 @@ def main(argv=None) -> int:
              ('blocking', 120, blocking, args.config), ('bound', 90, steps_in_flight, args.config),
              ('deterministic', 120, deterministic_loop, env, args.config),
              ('restart', 150, restart, args.config, work),
-             ('transfer', 120, transfer, env, args.config)]
+             ('transfer', 150, transfer, env, args.config)]
     for name, budget, fn, *fn_args in steps:
       if only is not None and name not in only:
         continue

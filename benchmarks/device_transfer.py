@@ -12,6 +12,9 @@ from what it costs once the process is warm, by the way the bytes come to the ho
 - `pinned`: `jax.device_put` to the device's `pinned_host` memory first, then `np.asarray`.
 - `stager`: `jaxckpt.checkpoint.staging.HostStager.stage` into its one kept buffer, the way a save
   stages (through pinned memory on an accelerator).
+- `h2d`, `h2d_pinned`: the other way, as a restore places what it read: host arrays to the
+  devices with `jax.device_put`, directly (the driver's pageable path) or through pinned host
+  memory first.
 - `fault`: no transfer: a fresh host buffer of the state's size, one write per page (the rate at
   which this machine hands out fresh memory).
 
@@ -45,6 +48,7 @@ def state_leaves(config: str) -> list:
 
 
 _STAGER = None
+_HOST = []  # `h2d`: the state in host memory, made once
 
 
 def one_round(leaves: list, how: str) -> dict:
@@ -60,6 +64,20 @@ def one_round(leaves: list, how: str) -> dict:
     t0 = time.perf_counter()
     _STAGER.stage({str(i): x for i, x in enumerate(fresh)})
     return {'seconds': time.perf_counter() - t0}
+  if how.startswith('h2d'):
+    if not _HOST:
+      _HOST.extend(np.array(x) for x in leaves)
+    shardings = [x.sharding for x in leaves]
+    t0 = time.perf_counter()
+    if how == 'h2d_pinned':
+      pinned = jax.device_put(_HOST, [s.with_memory_kind('pinned_host') for s in shardings])
+      placed = jax.block_until_ready(jax.device_put(pinned, shardings))
+    else:
+      placed = jax.block_until_ready(jax.device_put(_HOST, shardings))
+    row = {'seconds': time.perf_counter() - t0}
+    for x in placed:
+      x.delete()
+    return row
   if how == 'fault':
     nbytes = sum(x.nbytes for x in leaves)
     t0 = time.perf_counter()
@@ -99,7 +117,8 @@ def device_loop_rate(seconds: float = 2.0) -> float:
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--config', required=True)
-  parser.add_argument('--how', choices=('numpy', 'pinned', 'stager', 'fault'), default='numpy')
+  parser.add_argument(
+      '--how', choices=('numpy', 'pinned', 'stager', 'h2d', 'h2d_pinned', 'fault'), default='numpy')
   parser.add_argument('--rounds', type=int, default=6)
   parser.add_argument('--busy', action='store_true')
   args = parser.parse_args(argv)
