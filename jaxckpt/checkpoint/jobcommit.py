@@ -6,8 +6,10 @@ cells) and waits at one barrier; process 0 alone reads the records, files them i
 
 Where each host commits its own part (the directory is each host's own disk), every host's
 manifest must be the same bytes as process 0's, and so list every process's file. The word then
-also carries the job's file table (each process's state file packed in 16 bytes), and each
-process commits its part under that manifest without reading any other process's record: what a
+also carries the job's file table (each process's state file packed in 16 bytes) and process 0's
+retention record (why the step is kept: a replay keeps what the step's earlier commit on
+process 0's disk was kept for, which another host's disk may not hold), and each process
+commits its part under that manifest without reading any other process's record: what a
 process other than 0 receives stays the word alone, not every process's record (which grows with
 every shard of the job). Its disk holds no `shards.json`, as it holds no other process's part: a
 restart's peer restore sends it from process 0 with the run state (`peers`), and the remote tier
@@ -57,11 +59,15 @@ def listing(metadata: Mapping[str, Any], files: Mapping[str, Any], storage: str,
 _PART = np.dtype([('size', '<u8'), ('crc32', '<u4')])  # a state file in the word: 12 bytes
 
 
-def word(committed_at: float, files: Mapping[str, Any] | None, count: int = 0) -> str:
+def word(committed_at: float,
+         files: Mapping[str, Any] | None,
+         count: int = 0,
+         retention: Mapping[str, Any] | None = None) -> str:
   """Process 0's word after its commit: `ok <committed_at>`, and where each host commits its
-  own part (`files`: the job's, None where the directory is shared) ` <the others> <parts>`:
-  the `count` processes' state files packed (size and CRC-32, 16 bytes a process in base64, in
-  process order), every other file ({file: {size, crc32}}: the shard table) as JSON."""
+  own part (`files`: the job's, None where the directory is shared) ` <the others> <parts>
+  <retention>`: the `count` processes' state files packed (size and CRC-32, 16 bytes a process
+  in base64, in process order), every other file ({file: {size, crc32}}: the shard table) as
+  JSON, and the manifest's `retention` record as JSON."""
   if files is None:
     return f'ok {committed_at!r}'
   names = [_part_name(k) for k in range(count)]
@@ -71,34 +77,45 @@ def word(committed_at: float, files: Mapping[str, Any] | None, count: int = 0) -
   listed = set(names)
   others = {n: f for n, f in files.items() if n not in listed}
   return f'ok {committed_at!r} {json.dumps(others, separators=(",", ":"))} ' \
-      f'{base64.b64encode(parts.tobytes()).decode()}'
+      f'{base64.b64encode(parts.tobytes()).decode()} ' \
+      f'{json.dumps(dict(retention or {}), separators=(",", ":"))}'
 
 
-def await_commit(group: Group, seq: int, step: int) -> tuple[float, dict[str, Any] | None]:
+def announce(group: Group, seq: int, committed_at: float, files: Mapping[str, Any],
+             retention: Mapping[str, Any]) -> None:
+  """Process 0, once it committed save `seq`: its word to the others."""
+  group.announce(f'{seq}/commit',
+                 word(committed_at, None if group.shared else files, group.count, retention))
+
+
+def await_commit(group: Group, seq: int,
+                 step: int) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
   """A process other than 0: process 0's word on save `seq` (`parse`); E-DIST-002 past the
   timeout."""
   said = group.await_word(f'{seq}/commit', f'checkpoint step {step}')
   return parse(said, step, None if group.shared else group.count)
 
 
-def parse(said: str, step: int, count: int | None) -> tuple[float, dict[str, Any] | None]:
+def parse(said: str, step: int,
+          count: int | None) -> tuple[float, dict[str, Any] | None, dict[str, Any] | None]:
   """Process 0's word `said` on the commit of `step`: (committed_at, the job's files of `count`
-  processes, or None where the directory is shared: `count` None). E-DIST-003 when process 0
-  did not commit, or its word is not what this process expects."""
-  fields = said.split(' ')
+  processes, its retention record), the last two None where the directory is shared (`count`
+  None). E-DIST-003 when process 0 did not commit, or its word is not what this process
+  expects."""
+  fields = said.split(' ', 4)  # the retention record's strings may hold spaces
   if fields[0] != 'ok':
     raise CheckpointError('E-DIST-003', f'process 0 did not commit: {said[:300]}')
   try:
-    if len(fields) != (2 if count is None else 4):
+    if len(fields) != (2 if count is None else 5):
       raise ValueError(f'{len(fields)} fields')
     if count is None:
-      return float(fields[1]), None
-    others = json.loads(fields[2])
+      return float(fields[1]), None, None
+    others, retention = json.loads(fields[2]), json.loads(fields[4])
     parts = np.frombuffer(base64.b64decode(fields[3], validate=True), _PART)
-    if not isinstance(others, dict) or len(parts) != count:
+    if not isinstance(others, dict) or not isinstance(retention, dict) or len(parts) != count:
       raise ValueError(f'{len(parts)} state files for {count} processes')
     files = {_part_name(k): {'size': int(n), 'crc32': f'{c:08x}'} for k, (n, c) in enumerate(parts)}
-    return float(fields[1]), {**others, **files}
+    return float(fields[1]), {**others, **files}, retention
   except (ValueError, TypeError) as e:
     raise CheckpointError(
         'E-DIST-003', f'process 0 committed step {step}, and its word does not parse here '

@@ -280,9 +280,10 @@ class CheckpointManager:
       }
       final = self.step_dir(step)
       if group is not None and not group.leader:  # process 0 commits; its word ends the save
-        at, job = jobcommit.await_commit(group, seq, step)
+        at, job, kept = jobcommit.await_commit(group, seq, step)
         files = known
         if not group.shared:  # this host's part, under process 0's manifest (the same bytes)
+          metadata['retention'] = kept  # process 0's: a replay may find other commits here
           replicas.keep_matching(tmp, held, job)
           files = manifest.commit(tmp, final, step, job, table,
                                   jobcommit.listing(metadata, job, storage, True), run_state_json,
@@ -293,8 +294,7 @@ class CheckpointManager:
                                 jobcommit.listing(metadata, known, storage, group is not None),
                                 run_state_json, now)
         if group is not None:
-          group.announce(f'{seq}/commit',
-                         jobcommit.word(now, None if group.shared else known, group.count))
+          jobcommit.announce(group, seq, now, known, metadata['retention'])
           group.forget(str(seq - 1))  # every process has read the previous save's keys
       committed = time.perf_counter()
     except BaseException as e:
