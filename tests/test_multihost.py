@@ -261,8 +261,8 @@ def test_a_replay_on_own_disks_commits_process_0s_manifest_on_every_host(tmp_pat
   """Step 7 is kept by keep_every; process 1's disk then loses it (a replacement machine), and
   a run that keeps nothing saves step 7 again. A replay keeps what the step's earlier commit was
   kept for, and only process 0's disk holds that commit: every host's manifest must still be
-  process 0's bytes, or the hosts would hold different commits of step 7 and no restart could
-  put it together."""
+  process 0's bytes, or the hosts would hold different commits of step 7 and a restart would
+  not find it whole on their disks."""
   assert_all_ok(run(f'{tmp_path}/host{{k}}', compile_cache, 'replay', 2, '7'), 'saved')
   raw = [(step_dir(tmp_path / f'host{k}', 7) / 'manifest.json').read_bytes() for k in range(2)]
   assert raw[1] == raw[0]
