@@ -12,7 +12,7 @@ from conftest import events_of, state_file
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, manifest, staging
+from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, manifest, pinned, staging
 
 
 @pytest.fixture(scope='module')
@@ -109,34 +109,89 @@ def test_the_trainer_with_device_staging_writes_the_same_run(trainer, tmp_path):
     assert host.read_bytes() == device.read_bytes(), step
 
 
+def mixed_leaves(mesh) -> dict:
+  """A state's leaves as a save stages them: an empty array first, sharded and replicated ones
+  (over 8 devices), bfloat16 and int32, and a numpy array."""
+  state = sharded_state(mesh)
+  return {
+      'empty':
+          jnp.zeros((0, 4)), **dict(zip(('b', 'w', 'count', 'mu'), jax.tree.leaves(state))), 'host':
+          np.arange(5, dtype=np.int16)
+  }
+
+
+def staged_plainly(leaves) -> bytes:
+  plain = staging.HostStager(pinned=False)
+  try:
+    plain.stage(leaves)
+    return plain.region.tobytes()
+  finally:
+    plain.close()
+
+
 @pytest.mark.parametrize('window, split', [(1, 1 << 30), (1 << 20, 1)])
 def test_staging_through_pinned_host_memory_stages_the_same_bytes(devices_mesh, monkeypatch, window,
                                                                   split):
-  """The accelerator's way (pinned host memory, in windows, one window arriving while the last
-  is copied), forced here on CPU devices: the same buffer as the plain copy, sources untouched.
-  One window per leaf, then every leaf in one window copied by two threads."""
-  monkeypatch.setattr(staging, 'PINNED_WINDOW', window)
+  """The accelerator's way, forced here on CPU devices: one pinned copy per shard, of one replica
+  of each (a replicated array's bytes come over once), in windows (one shard each, then all in
+  one copied by two threads), each let go once copied; the same buffer as the plain copy, and
+  the sources untouched."""
+  monkeypatch.setattr(pinned, 'WINDOW', window)
   monkeypatch.setattr(staging, '_SPLIT_MIN_BYTES', split)
-  state = sharded_state(devices_mesh)
-  leaves = dict(zip(('b', 'w', 'count', 'mu'), jax.tree.leaves(state)))
-  at_call = host_bytes(state)
-  through, plain = staging.HostStager(pinned=True), staging.HostStager(pinned=False)
+  leaves = mixed_leaves(devices_mesh)
+  at_call = host_bytes(leaves)
+  calls, real = [], pinned._to_pinned  # pylint: disable=protected-access
+  monkeypatch.setattr(pinned, '_to_pinned', lambda run: calls.append(real(run)) or calls[-1])
+  through = staging.HostStager(pinned=True)
   try:
     staged = through.stage(leaves)
-    plain.stage(leaves)
-    assert through.region.tobytes() == plain.region.tobytes()
-    for name, x in leaves.items():
-      np.testing.assert_array_equal(staged[name], np.asarray(x))
-    assert host_bytes(state) == at_call  # the sources were copied, not deleted
+    assert through.region.tobytes() == staged_plainly(leaves)
   finally:
     through.close()
-    plain.close()
+  for name, x in leaves.items():
+    np.testing.assert_array_equal(staged[name], np.asarray(x))
+  assert host_bytes(leaves) == at_call  # the sources were copied, not deleted
+  copies = [x for call in calls for x in call]
+  on_devices = [x for x in leaves.values() if isinstance(x, jax.Array)]
+  assert sum(x.nbytes for x in copies) == sum(x.nbytes for x in on_devices)  # once each
+  assert len(calls) == (len(copies) if window == 1 else 1)
+  assert all(x.sharding.memory_kind == 'pinned_host' and x.is_deleted() for x in copies)
+
+
+def test_staging_goes_on_the_plain_way_when_pinned_memory_fails(devices_mesh, monkeypatch, caplog):
+  """A backend that refuses pinned memory part way: the window already copied is let go, the
+  save stages the plain way (the same bytes), and later saves do not try again."""
+  monkeypatch.setattr(pinned, 'WINDOW', 1)
+  leaves = mixed_leaves(devices_mesh)
+  calls, real = [], pinned._to_pinned  # pylint: disable=protected-access
+
+  def refuse_the_second(run):
+    if calls:
+      raise RuntimeError('no pinned memory left')
+    calls.append(real(run))
+    return calls[-1]
+
+  monkeypatch.setattr(pinned, '_to_pinned', refuse_the_second)
+  through = staging.HostStager(pinned=True)
+  try:
+    through.stage(leaves)
+    assert through.region.tobytes() == staged_plainly(leaves)
+    assert through.pinned is False and not through._through_pinned(leaves['w'])  # pylint: disable=protected-access
+  finally:
+    through.close()
+  assert calls and all(x.is_deleted() for x in calls[0])
+  assert 'staging through pinned host memory failed (RuntimeError: no pinned memory left)' in \
+      caplog.text
 
 
 def test_staging_takes_pinned_memory_only_on_an_accelerator():
   x = jnp.ones((4,))
   expected = x.devices().pop().platform != 'cpu'
+  assert pinned.available(x) == expected
   assert staging.HostStager()._through_pinned(x) == expected  # pylint: disable=protected-access
-  pinned = jax.device_put(x, x.sharding.with_memory_kind('pinned_host'))
-  assert not staging.HostStager(pinned=True)._through_pinned(pinned)  # already there
-  assert staging._windows({'a': 3, 'b': 3, 'c': 10, 'd': 1}, 6) == [['a', 'b'], ['c'], ['d']]
+  on_host = jax.device_put(x, x.sharding.with_memory_kind('pinned_host'))
+  assert not staging.HostStager(pinned=True)._through_pinned(on_host)  # already there
+  assert not staging.HostStager(pinned=True)._through_pinned(np.ones(3))  # not on a device
+  sizes = [(f'{n}', (), np.zeros(n, np.uint8)) for n in (0, 3, 3, 10, 1)]
+  assert [[p[0] for p in run] for run in pinned.windows(sizes, 6)] == [['0', '3', '3'], ['10'],
+                                                                       ['1']]

@@ -21,22 +21,15 @@ this VM: 3 s for andrea_120m, on the training thread). `HostStager.prepare` does
 background thread as soon as the state's shapes are known, while the caller does something else
 (compiling a step function); the first save then waits at most for that thread.
 
-On an accelerator the bytes come to the host through its pinned host memory: `jax.device_put` to
-the `pinned_host` memory kind (a DMA), then a memcpy into the buffer (`np.asarray` of a
-single-device pinned array shares its memory). `np.asarray` of a device array instead allocates
-fresh host arrays and fills them through the driver's pageable path, which on an H200 took 0.76-0.97
-s for andrea_120m's 1.46 GB every time and held up a loop dispatching steps on another thread to
-under 1% of its rate; the pinned path took 0.05 s once its memory was there (0.87 s the first
-time), and the loop kept a quarter of its rate beside transfers run back to back
-(`benchmarks/device_transfer.py`). It goes in windows
-of `PINNED_WINDOW` bytes, the next window's transfer in flight while the last is copied, so the
-pinned memory held stays at two windows whatever the state's size. A CPU stages as before: its
-arrays are host memory already.
+On an accelerator the bytes come to the host through its pinned host memory, in windows
+(`pinned`): the plain `np.asarray` of a device array goes through the driver's pageable path,
+which on an H200 was 16x slower and stalled the training loop while it ran.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import math
 import threading
 from typing import Any, Mapping
@@ -44,6 +37,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from . import pinned as pinned_memory
 from . import statefile
 from .directio import ALIGN, aligned_empty, padded
 from .errors import CheckpointError
@@ -55,11 +49,9 @@ _SPLIT_MIN_BYTES = 128 << 20
 _FAULT_PIECE = 64 << 20
 # The first save waits this long for `prepare`, plus a second per 50 MB: over 10x slower than the
 # 0.6 GB/s it faults at here on a loaded VM (a swapping host), and then fails naming it.
+_log = logging.getLogger(__name__)
 _PREPARE_WAIT_SECS = 120.0
 _PREPARE_WAIT_BYTES_PER_SEC = 50e6
-# Bytes of pinned host memory one window of a staging copy takes (two are held: one arriving,
-# one being copied); a leaf larger than this is a window of its own.
-PINNED_WINDOW = 256 << 20
 
 
 class InMemory:
@@ -142,10 +134,8 @@ class HostStager:
           if self._stop_preparing.is_set():
             return  # closing: the buffer is not needed any more
           region[lo:lo + _FAULT_PIECE:ALIGN] = 0  # one write per page faults it in
-        if split and self._helper is None:  # its thread starts now, not in the first save
-          self._helper = concurrent.futures.ThreadPoolExecutor(
-              1, thread_name_prefix='jaxckpt-stage')
-          self._helper.submit(int).result()
+        if split:  # the helper's thread starts now, not in the first save
+          self._helper_pool().submit(int).result()
         self.region, self._plan = region, None
         self._lay_out(p)
         self.prepared = True
@@ -185,30 +175,55 @@ class HostStager:
         raise CheckpointError('E-CKPT-007', f'{name} is not fully addressable from this '
                               'process', 'multi-process saving needs a process-local writer')
     self._lay_out(statefile.plan(leaves))
-    pinned = [n for n, x in leaves.items() if self._through_pinned(x)]
-    rest = {n: x for n, x in leaves.items() if n not in set(pinned)}
+    through = [n for n, x in leaves.items() if self._through_pinned(x)]
+    taken = set(through)
+    rest = {n: x for n, x in leaves.items() if n not in taken}
     for x in rest.values():
       if isinstance(x, jax.Array):
         x.copy_to_host_async()  # start every transfer before waiting on any
-    windows = _windows({n: leaves[n].nbytes for n in pinned}, PINNED_WINDOW)
-    arriving = _to_pinned(leaves, windows[0]) if windows else {}
-    for i in range(len(windows)):
-      here = arriving  # the next window comes while this one is copied
-      arriving = _to_pinned(leaves, windows[i + 1]) if i + 1 < len(windows) else {}
-      # One host array per leaf: a view of a single device's pinned copy, or one assembled
-      # from several devices' (not once per copying thread).
-      self._copy_all({n: np.asarray(x) for n, x in jax.block_until_ready(here).items()})
-      for x in here.values():
-        x.delete()  # its pinned memory goes back to the device's pool
+    if through:
+      try:
+        pinned_memory.copy(pinned_memory.pieces(leaves, through), self._view, self._copy_pairs)
+      except Exception as e:  # pylint: disable=broad-except  # the plain way still works
+        _log.warning(
+            'staging through pinned host memory failed (%s: %s); copying the plain '
+            'way from now on',
+            type(e).__name__, e)
+        self.pinned = False
+        rest = dict(leaves)  # every leaf again: the region is written over whole
     self._copy_all(rest)
     return {name: self._views[name] for name in leaves}
 
   def _through_pinned(self, x: Any) -> bool:
     if not isinstance(x, jax.Array) or getattr(x.sharding, 'memory_kind', None) == 'pinned_host':
       return False
-    if self.pinned is not None:
-      return self.pinned
-    return all(d.platform != 'cpu' and _has_pinned(d) for d in x.sharding.addressable_devices)
+    return pinned_memory.available(x) if self.pinned is None else self.pinned
+
+  def _view(self, name: str, index: tuple) -> np.ndarray:
+    return self._views[name][index + (Ellipsis,)]  # a view, a 0-d array's too
+
+  def _copy_pairs(self, pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """np.copyto(destination, source) for each pair, with the helper thread taking the second
+    half of the bytes when they are large (pairs whole: a shard's view may not be contiguous)."""
+    total, at, cut = sum(src.nbytes for _, src in pairs), 0, len(pairs)
+    for i, (_, src) in enumerate(pairs):
+      if at >= total // 2:
+        cut = i
+        break
+      at += src.nbytes
+    if total < _SPLIT_MIN_BYTES or cut == len(pairs):
+      _copy_into(pairs)
+      return
+    helper = self._helper_pool().submit(_copy_into, pairs[cut:])
+    try:
+      _copy_into(pairs[:cut])
+    finally:
+      helper.result()
+
+  def _helper_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+    if self._helper is None:
+      self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-stage')
+    return self._helper
 
   def _copy_all(self, leaves: Mapping[str, Any]) -> None:
     """Copy `leaves` whole into their views, with the helper thread when they are large."""
@@ -217,9 +232,7 @@ class HostStager:
       self._copy(leaves, [(name, 0, None) for name in leaves])
       return
     first, second = _halves(sizes, {name: np.dtype(x.dtype).itemsize for name, x in leaves.items()})
-    if self._helper is None:
-      self._helper = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-stage')
-    helper = self._helper.submit(self._copy, leaves, second)
+    helper = self._helper_pool().submit(self._copy, leaves, second)
     try:
       self._copy(leaves, first)
     finally:
@@ -273,31 +286,9 @@ class HostStager:
 Pieces = list[tuple[str, int, 'int | None']]
 
 
-def _has_pinned(device) -> bool:
-  try:
-    return any(m.kind == 'pinned_host' for m in device.addressable_memories())
-  except Exception:  # pylint: disable=broad-except  # a backend without memory spaces
-    return False
-
-
-def _to_pinned(leaves: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
-  """Copies of `names` in their devices' pinned host memory, under way when this returns."""
-  arrays = [leaves[n] for n in names]
-  copies = jax.device_put(arrays, [x.sharding.with_memory_kind('pinned_host') for x in arrays])
-  return dict(zip(names, copies))
-
-
-def _windows(sizes: Mapping[str, int], window: int) -> list[list[str]]:
-  """The names in order, in runs of at most `window` bytes (a larger one alone)."""
-  runs: list[list[str]] = []
-  held = window
-  for name, size in sizes.items():
-    if held + size > window:
-      runs.append([])
-      held = 0
-    runs[-1].append(name)
-    held += size
-  return runs
+def _copy_into(pairs: list[tuple[np.ndarray, np.ndarray]]) -> None:
+  for dst, src in pairs:
+    np.copyto(dst, src)
 
 
 def _halves(sizes: Mapping[str, int], itemsizes: Mapping[str, int]) -> tuple[Pieces, Pieces]:
