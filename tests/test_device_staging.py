@@ -195,3 +195,27 @@ def test_staging_takes_pinned_memory_only_on_an_accelerator():
   sizes = [(f'{n}', (), np.zeros(n, np.uint8)) for n in (0, 3, 3, 10, 1)]
   assert [[p[0] for p in run] for run in pinned.windows(sizes, 6)] == [['0', '3', '3'], ['10'],
                                                                        ['1']]
+
+
+@pytest.mark.parametrize('through', [None, True, False])
+def test_prepare_sets_up_pinned_memory_where_saves_will_take_it(devices_mesh, monkeypatch, through):
+  """Where saves stage through pinned memory (an accelerator; forced here), `prepare` has the
+  runtime set up the two windows' worth a save holds, so that the first save does not."""
+  calls, real = [], pinned.warm
+  monkeypatch.setattr(pinned, 'warm', lambda device, n: calls.append(n) or real(device, n))
+  leaves = {
+      n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+      for n, x in mixed_leaves(devices_mesh).items()
+      if isinstance(x, jax.Array)
+  }
+  stager = staging.HostStager(pinned=through)
+  try:
+    stager.prepare(leaves)
+    stager.wait_prepared()
+    assert stager.prepared
+  finally:
+    stager.close()
+  on_accelerator = jax.devices()[0].platform != 'cpu'
+  takes = through if through is not None else on_accelerator
+  assert len(calls) == int(takes) and all(0 < n <= 2 * pinned.WINDOW for n in calls)
+  assert real(jax.devices()[0], 1 << 20)  # a CPU has pinned host memory too

@@ -126,6 +126,7 @@ class HostStager:
       return  # already there, and touched
     self._stop_preparing.clear()
     split = p.data_len >= _SPLIT_MIN_BYTES
+    device = self._pinned_device(leaves)
 
     def run():
       try:
@@ -138,6 +139,8 @@ class HostStager:
           self._helper_pool().submit(int).result()
         self.region, self._plan = region, None
         self._lay_out(p)
+        if device is not None:  # the pinned memory a save holds at most, set up now
+          pinned_memory.warm(device, min(p.data_len, 2 * pinned_memory.WINDOW))
         self.prepared = True
       except BaseException as e:  # pylint: disable=broad-except  # raised by `wait_prepared`
         self._prepare_error = e
@@ -198,6 +201,15 @@ class HostStager:
     if not isinstance(x, jax.Array) or getattr(x.sharding, 'memory_kind', None) == 'pinned_host':
       return False
     return pinned_memory.available(x) if self.pinned is None else self.pinned
+
+  def _pinned_device(self, leaves: Mapping[str, Any]) -> Any:
+    """A device a save of `leaves` (arrays or `ShapeDtypeStruct`s with shardings) stages
+    through pinned memory from; None when it does not."""
+    for x in leaves.values():
+      devices = getattr(getattr(x, 'sharding', None), 'addressable_devices', None)
+      if devices and self.pinned is not False and (self.pinned or pinned_memory.available(x)):
+        return next(iter(devices))
+    return None
 
   def _view(self, name: str, index: tuple) -> np.ndarray:
     return self._views[name][index + (Ellipsis,)]  # a view, a 0-d array's too
