@@ -219,3 +219,4 @@ def test_prepare_sets_up_pinned_memory_where_saves_will_take_it(devices_mesh, mo
   takes = through if through is not None else on_accelerator
   assert len(calls) == int(takes) and all(0 < n <= 2 * pinned.WINDOW for n in calls)
   assert real(jax.devices()[0], 1 << 20)  # a CPU has pinned host memory too
+  assert not real('no device', 1 << 20)  # what it cannot set up is the first save's, not an error

@@ -37,7 +37,12 @@ def test_a_shared_directorys_word_is_the_time_alone():
         (jobcommit.word(1.5, files(3), 3), 2, '3 state files for 2 processes'),
         ('ok 1.5 [] AAAA {}', 2, 'does not parse here'),
         (jobcommit.word(1.5, files(2), 2).rsplit(' ', 1)[0], 2, '4 fields'),  # no retention
-        (jobcommit.word(1.5, files(2), 2).rsplit(' ', 1)[0] + ' []', 2, 'does not parse here'),
+        (jobcommit.word(1.5, files(2), 2).rsplit(' ', 1)[0] + ' []', 2, 'its retention record'),
+        (jobcommit.word(1.5, files(2), 2, {'kept': 5}), 2, 'its retention record is not'),
+        (jobcommit.word(1.5, files(2), 2).rsplit(' ', 1)[0] + ' ' + '[' * 100000, 2, 'parse here'),
+        (jobcommit.word(1.5, {**files(2), 'shards.json': 1}, 2), 2, 'its file list is not'),
+        (jobcommit.word(1.5, {**files(2), 'shards.json': {'size': 1, 'crc32': 'BEEF'}},
+                        2), 2, 'its file list is not'),
         ('ok 1.5 {} not-base64!', 2, 'does not parse here'),
         ('ok soon {} ', 2, 'does not parse here'),
     ])

@@ -40,9 +40,9 @@ def expected() -> dict[str, np.ndarray]:
 def worker(cmd: str, process: int, count: int, coordinator: str, directory: str, *rest: str):
   """One process: `save STEP [storage]`, `restore [storage]` (check every shard, save STEP+1),
   `stall` (open the manager, never save), `local STEP` (save with a process-local leaf), `stuck`
-  (restore beside `meanwhile` with reads that never return) or `replay STEP` (save STEP kept by
-  keep_every, lose it from process 1's directory, save it again under options that keep
-  nothing)."""
+  (restore beside `meanwhile` with reads that never return) or `replay STEP LOSER` (save STEP
+  kept by keep_every, lose it from process LOSER's directory, save it again under options that
+  keep nothing)."""
   import jax
   # `local`: one CPU device per process (gloo's collectives can hang with several, openxla/xla
   # #16430); the older commands keep their two.
@@ -69,13 +69,13 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
         n: jax.make_array_from_callback(x.shape, shardings[n], lambda i, x=x: x[i])
         for n, x in want.items()
     }
-    if cmd == 'replay':  # STEP kept by keep_every; process 1's disk loses it; `mgr` saves it again
+    if cmd == 'replay':  # STEP kept by keep_every; process LOSER's disk loses it; `mgr` saves it
       first = CheckpointManager(
           directory,
           CheckpointOptions(storage=storage, barrier_timeout_secs=timeout, keep_every=int(rest[0])))
       first.save(int(rest[0]), state, {'note': 'hello'})
       first.close()
-      if process == 1:
+      if process == int(rest[1]):
         shutil.rmtree(Path(directory) / f'step_{int(rest[0]):08d}')
     if cmd == 'local':  # one leaf on this process's device alone: each process has its own
       state['opt/local'] = jax.device_put(np.arange(3) + process, jax.local_devices()[0])
@@ -257,16 +257,18 @@ def test_on_each_host_own_disk_each_commits_its_part_under_the_whole_manifest(
   assert_same_bytes(read_host_arrays(hosts[0]), expected())
 
 
-def test_a_replay_on_own_disks_commits_process_0s_manifest_on_every_host(tmp_path, compile_cache):
-  """Step 7 is kept by keep_every; process 1's disk then loses it (a replacement machine), and
-  a run that keeps nothing saves step 7 again. A replay keeps what the step's earlier commit was
-  kept for, and only process 0's disk holds that commit: every host's manifest must still be
-  process 0's bytes, or the hosts would hold different commits of step 7 and a restart would
-  not find it whole on their disks."""
-  assert_all_ok(run(f'{tmp_path}/host{{k}}', compile_cache, 'replay', 2, '7'), 'saved')
+@pytest.mark.parametrize('loser', [1, 0])
+def test_a_replay_on_own_disks_commits_one_manifest_keeping_what_any_host_kept(
+    tmp_path, compile_cache, loser):
+  """Step 7 is kept by keep_every; one host's disk then loses it (a replacement machine), and a
+  run that keeps nothing saves step 7 again. A replay keeps what the step's earlier commit was
+  kept for, which only the other host's disk holds: every host's manifest must be the same bytes
+  (or the hosts would hold different commits of step 7, and a restart would not find it whole
+  on their disks), and still keep the step for keep_every, whichever host lost it."""
+  assert_all_ok(run(f'{tmp_path}/host{{k}}', compile_cache, 'replay', 2, '7', str(loser)), 'saved')
   raw = [(step_dir(tmp_path / f'host{k}', 7) / 'manifest.json').read_bytes() for k in range(2)]
   assert raw[1] == raw[0]
-  assert 'keep_every' in json.loads(raw[1])['retention']['kept'], raw[1][:2000]
+  assert json.loads(raw[0])['retention'] == {'kept': ['keep_every'], 'keep_every': 7}, raw[0][:2000]
 
 
 def test_a_directory_shared_by_some_processes_and_not_others_is_refused(tmp_path, compile_cache):

@@ -7,8 +7,9 @@ cells) and waits at one barrier; process 0 alone reads the records, files them i
 Where each host commits its own part (the directory is each host's own disk), every host's
 manifest must be the same bytes as process 0's, and so list every process's file. The word then
 also carries the job's file table (each process's state file packed in 16 bytes) and process 0's
-retention record (why the step is kept: a replay keeps what the step's earlier commit on
-process 0's disk was kept for, which another host's disk may not hold), and each process
+retention record (why the step is kept: a replay keeps what the step's earlier commit was kept
+for, and each host's disk may hold another commit of it, or none; a process whose earlier commit
+kept the step posts its record, and process 0 adds each to its own), and each process
 commits its part under that manifest without reading any other process's record: what a
 process other than 0 receives stays the word alone, not every process's record (which grows with
 every shard of the job). Its disk holds no `shards.json`, as it holds no other process's part: a
@@ -25,19 +26,35 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import layout, replicas, shardtable, statefile
+from . import layout, replicas, retention, shardtable, statefile
 from .errors import CheckpointError
 from .multihost import Group
 
 
-def post(group: Group, tmp: Path, seq: int, step: int, record: str, held: Mapping[str, Any],
-         grid: Any) -> dict[str, dict[str, Any]] | None:
+def post(group: Group,
+         tmp: Path,
+         seq: int,
+         step: int,
+         record: str,
+         held: Mapping[str, Any],
+         grid: Any,
+         kept: dict[str, Any] | None = None) -> dict[str, dict[str, Any]] | None:
   """Posts this process's part record and waits for every other's. Process 0: the job's files
   ({file: {size, crc32}}), `shards.json` written into `tmp` and listed, and the replicas it keeps
-  matched against their owners'; the others: None (their files come with process 0's word)."""
+  matched against their owners'; the others: None (their files come with process 0's word).
+
+  On each host's own disk a process's retention record `kept` goes with its part record when it
+  keeps the step for anything (a replay of a step its disk held), and process 0 adds each to its
+  own: the manifest keeps the step for whatever any host's earlier commit kept it for."""
+  if kept and kept.get('kept') and not group.shared:
+    head, _, rest = record.partition('\n')
+    record = json.dumps({**json.loads(head), 'kept': kept}, separators=(',', ':')) + '\n' + rest
   records = group.collect(f'{seq}/durable', f'checkpoint step {step}', record)
   if records is None:
     return None
+  if kept is not None and not group.shared:
+    for posted in records:
+      retention.merge(kept, json.loads(posted.partition('\n')[0]).get('kept'))
   files, shards = shardtable.merge_records(records, expect=group.count, grid=grid)
   replicas.keep_matching(tmp, held, files)
   files[shardtable.SHARDS] = shardtable.write(tmp / shardtable.SHARDS, shards)
@@ -110,16 +127,28 @@ def parse(said: str, step: int,
       raise ValueError(f'{len(fields)} fields')
     if count is None:
       return float(fields[1]), None, None
-    others, retention = json.loads(fields[2]), json.loads(fields[4])
+    others, kept = json.loads(fields[2]), json.loads(fields[4])
     parts = np.frombuffer(base64.b64decode(fields[3], validate=True), _PART)
-    if not isinstance(others, dict) or not isinstance(retention, dict) or len(parts) != count:
+    if len(parts) != count:
       raise ValueError(f'{len(parts)} state files for {count} processes')
+    if not isinstance(others, dict) or not all(map(_is_entry, others.values())):
+      raise ValueError('its file list is not {file: {size, crc32}}')
+    reasons = kept.get('kept', []) if isinstance(kept, dict) else None
+    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
+      raise ValueError('its retention record is not {"kept": [reason, ...], ...}')
     files = {_part_name(k): {'size': int(n), 'crc32': f'{c:08x}'} for k, (n, c) in enumerate(parts)}
-    return float(fields[1]), {**others, **files}, retention
-  except (ValueError, TypeError) as e:
+    return float(fields[1]), {**others, **files}, kept
+  except (ValueError, TypeError, RecursionError) as e:  # deep JSON: RecursionError
     raise CheckpointError(
         'E-DIST-003', f'process 0 committed step {step}, and its word does not parse here '
         f'({" ".join(str(e).split())[:200]})', 'run one jaxckpt version on every process') from None
+
+
+def _is_entry(entry: Any) -> bool:
+  """Whether `entry` is a manifest's file entry: {"size": bytes, "crc32": 8 hex digits}."""
+  return isinstance(entry, dict) and list(entry) == ['size', 'crc32'] and \
+      type(entry['size']) is int and entry['size'] >= 0 and isinstance(entry['crc32'], str) and \
+      len(entry['crc32']) == 8 and all(c in '0123456789abcdef' for c in entry['crc32'])
 
 
 def _part_name(process: int) -> str:

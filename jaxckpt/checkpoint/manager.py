@@ -265,19 +265,17 @@ class CheckpointManager:
       if left_out:
         metadata['excluded'] = tensor_table(left_out)
       tmp.mkdir(parents=False, exist_ok=group is not None)
-      storage = self._storage()
-      known, held = {}, {}
+      storage, known, held = self._storage(), {}, {}
+      # Why this checkpoint is kept is its own: a later run's other flags never delete it (on
+      # own disks process 0 adds what the others' earlier commits of the step were kept for).
+      kept = retention.record(step, self.options, replacing=self.step_dir(step))
+      metadata = {**metadata, 'storage': storage, 'retention': kept}
       if storage == SAFETENSORS:  # one file, straight from the staging region
         region = None if isinstance(staged, Unstaged) else self._stager.region
-        known, table, held = self._write_state(tmp, step, seq, staged, region, table, places,
-                                               copies)
+        known, table, held = self._write_state(tmp, step, seq, staged, region, table,
+                                               (places, copies, kept))
       else:
         orbaxstore.save(tmp / layout.STATE_DIR, staged)
-      # Why this checkpoint is kept is its own: a later run's other flags never delete it.
-      metadata = {
-          **metadata, 'storage': storage,
-          'retention': retention.record(step, self.options, replacing=self.step_dir(step))
-      }
       final = self.step_dir(step)
       if group is not None and not group.leader:  # process 0 commits; its word ends the save
         at, job, kept = jobcommit.await_commit(group, seq, step)
@@ -333,12 +331,12 @@ class CheckpointManager:
           f'failed: {type(e).__name__}: {e}',
           f'checkpoint step {step} is committed and intact') from e
 
-  def _write_state(self, tmp, step, seq, staged, region, table, placed, copies=()):
+  def _write_state(self, tmp, step, seq, staged, region, table, placed):
     """Write this process's state file: ({file: {size, crc32}}, the tensor table with CRCs, the
     replicas it wrote). Across processes, process 0 lists every process's files and shards, once
     all of them are durable (`jobcommit`)."""
     name = statefile.file_name(0 if self._group is None else self._group.index)
-    rel, (places, grid) = f'{layout.STATE_DIR}/{name}', placed
+    rel, ((places, grid), copies, kept) = f'{layout.STATE_DIR}/{name}', placed
     header = []  # with the region: the file is in memory until the next save stages over it
     written, crcs = statefile.write(
         tmp / layout.STATE_DIR,
@@ -356,7 +354,7 @@ class CheckpointManager:
     record = shardtable.part_record(rel, written[name], crcs, places,
                                     {t: np.shape(x) for t, x in staged.items()}, grid)
     # Process 0 alone reads every part record and lists every file; the others, their own.
-    files = jobcommit.post(self._group, tmp, seq, step, record, held, grid) or \
+    files = jobcommit.post(self._group, tmp, seq, step, record, held, grid, kept) or \
         {rel: {k: written[name][k] for k in ('size', 'crc32')}}
     return files, table, held
 

@@ -96,8 +96,8 @@ def warm(device: Any, nbytes: int) -> bool:
   it, let go at once), so that the first save does not; False, and logged, where it cannot."""
   if nbytes <= 0:
     return False
-  sharding = jax.sharding.SingleDeviceSharding(device, memory_kind='pinned_host')
   try:
+    sharding = jax.sharding.SingleDeviceSharding(device, memory_kind='pinned_host')
     held = [jax.device_put(np.zeros(-(-nbytes // 2), np.uint8), sharding) for _ in range(2)]
     jax.block_until_ready(held)
   except Exception as e:  # pylint: disable=broad-except  # the first save sets it up instead

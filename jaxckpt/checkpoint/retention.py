@@ -31,14 +31,20 @@ def record(step: int, options: CheckpointOptions, replacing: Path | None = None)
   policy = RetentionPolicy(options.keep, options.keep_every, options.keep_best)
   out = policy.record(step, options.best_metric)
   if replacing is not None and (replacing / layout.MANIFEST).is_file():
-    old = (fields({step: replacing})[step] or {}).get(RECORD) or {}
-    if isinstance(old, Mapping):
-      for reason in old.get('kept') or ():
-        if isinstance(reason, str) and reason not in out['kept']:
-          out['kept'].append(reason)
-          if reason in old and reason not in out:
-            out[reason] = old[reason]
+    merge(out, (fields({step: replacing})[step] or {}).get(RECORD) or {})
   return out
+
+
+def merge(out: dict[str, Any], old: Any) -> None:
+  """Adds to the record `out` what the record `old` (of another commit of the step: read, so
+  checked) keeps it for, with each reason's own entry."""
+  if not isinstance(old, Mapping) or not isinstance(old.get('kept') or [], list):
+    return
+  for reason in old.get('kept') or ():
+    if isinstance(reason, str) and reason not in out['kept']:
+      out['kept'].append(reason)
+      if reason in old and reason not in out:
+        out[reason] = old[reason]
 
 
 def fields(committed: Mapping[int, Path]) -> dict[int, dict[str, Any] | None]:
