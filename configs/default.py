@@ -47,6 +47,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.tensorboard = True  # also write the scalars as event files in <workdir>/tensorboard
   config.train.init_from = ''  # safetensors file with dotted names (an export) to start from
   config.train.frozen = ()  # globs over dotted parameter names never updated, e.g. ('wte.*',)
+  # On a GPU, reductions that add in the same order every run (--xla_gpu_deterministic_ops), which
+  # a resume needs to continue bit-identical to a run never stopped; they cost an H200 25% of
+  # andrea_120m's step time (docs/accelerators.md). False trades exact resumes for that speed.
+  config.train.deterministic = True
 
   config.bandit = ml_collections.ConfigDict()
   config.bandit.floor = 0.05  # least probability of any source

@@ -43,6 +43,11 @@ def train_from_flags(argv, watcher: signals.PreemptionWatcher | None = None) -> 
       config,
       config_flags.get_config_filename(FLAGS['config']),
       flagged=provenance_lib.flagged_fields(FLAGS, trainer_flags.FLAG_FIELDS))
+  # Read once, when the backend starts: before anything touches the devices.
+  flags_now = os.environ.get('XLA_FLAGS', '')
+  wanted = trainer_flags.xla_flags(config.train.get('deterministic', True), flags_now)
+  if wanted != flags_now:
+    os.environ['XLA_FLAGS'] = wanted
   from jaxckpt.hosts import distributed  # joins the job before anything touches the devices
   distributed.initialize(
       FLAGS.coordinator_address,

@@ -185,3 +185,20 @@ def test_a_bad_export_setting_has_its_own_code():
   with pytest.raises(ConfigError) as e:
     during_training.options_from_config(config)
   assert e.value.code == 'E-CONFIG-009'
+
+
+def test_the_trainer_asks_a_gpu_for_deterministic_ops_unless_told_not_to():
+  """A resume continues bit-identical on a GPU only with reductions that add in the same order
+  every run: the trainer adds the flag to XLA_FLAGS before its backend starts, keeps an
+  XLA_FLAGS that already says either way, and leaves it out with
+  --config.train.deterministic=false."""
+  from configs import default
+
+  from jaxckpt.cli.trainer_flags import xla_flags
+  assert default.get_config().train.deterministic is True
+  assert xla_flags(True, '') == '--xla_gpu_deterministic_ops=true'
+  assert xla_flags(True, '--xla_dump_to=/tmp/d') == \
+      '--xla_dump_to=/tmp/d --xla_gpu_deterministic_ops=true'
+  assert xla_flags(True, '--xla_gpu_deterministic_ops=false') == \
+      '--xla_gpu_deterministic_ops=false'
+  assert xla_flags(False, '--xla_dump_to=/tmp/d') == '--xla_dump_to=/tmp/d'

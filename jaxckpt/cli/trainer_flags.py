@@ -277,6 +277,18 @@ def startup_line(flag_values, resume: str) -> str:
   return f'config {config}, workdir {flag_values.workdir}, {where}, {intent}'
 
 
+DETERMINISTIC_OPS = '--xla_gpu_deterministic_ops'
+
+
+def xla_flags(deterministic: bool, current: str) -> str:
+  """The XLA_FLAGS a run starts its backend with: `current`, with deterministic GPU ops asked
+  for when `deterministic` (`config.train.deterministic`), unless `current` already says either
+  way (the environment's choice stands). A CPU or TPU ignores the flag."""
+  if not deterministic or DETERMINISTIC_OPS in current:
+    return current
+  return f'{current} {DETERMINISTIC_OPS}=true'.strip()
+
+
 # ----------------------------------------------------------------------------- the config
 def _args(argv: list[str]) -> list[str]:
   """The command line's flags, flagfiles read, up to a `--`."""

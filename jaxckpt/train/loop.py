@@ -286,8 +286,12 @@ def _describe_start(trainer: Trainer, resume_dir: Path | None) -> str:
   step = re.search(r'\d+', resume_dir.name) if resume_dir is not None else None
   resumes = ('a fresh start' if resume_dir is None else
              f'resumes from step {int(step[0]) if step else "?"} at {resume_dir}')
+  platform = jax.devices()[0].platform
+  gpu = ('' if platform != 'gpu'
+         else '; GPU ops deterministic' if 'deterministic_ops=true' in os.environ.get(
+             'XLA_FLAGS', '') else '; GPU ops not deterministic: a resume is not exact')
   return (f'{params:,} parameters; mesh {dict(trainer.mesh.shape)} over {jax.device_count()} '
-          f'{jax.devices()[0].platform} device(s), {jax.process_count()} process(es); {resumes}')
+          f'{platform} device(s), {jax.process_count()} process(es); {resumes}{gpu}')
 
 
 def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) -> TrainState:
