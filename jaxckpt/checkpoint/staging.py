@@ -42,6 +42,7 @@ from . import statefile
 from .directio import ALIGN, aligned_empty, padded
 from .errors import CheckpointError
 
+_log = logging.getLogger(__name__)
 # Waking the helper costs ~1-3 ms on this VM (an idle vCPU), while splitting saves a quarter of a
 # copy at ~12 GB/s: below ~100 MB it does not pay (andrea_12m, 154 MB, only breaks even).
 _SPLIT_MIN_BYTES = 128 << 20
@@ -49,7 +50,6 @@ _SPLIT_MIN_BYTES = 128 << 20
 _FAULT_PIECE = 64 << 20
 # The first save waits this long for `prepare`, plus a second per 50 MB: over 10x slower than the
 # 0.6 GB/s it faults at here on a loaded VM (a swapping host), and then fails naming it.
-_log = logging.getLogger(__name__)
 _PREPARE_WAIT_SECS = 120.0
 _PREPARE_WAIT_BYTES_PER_SEC = 50e6
 
@@ -198,18 +198,18 @@ class HostStager:
     return {name: self._views[name] for name in leaves}
 
   def _through_pinned(self, x: Any) -> bool:
-    if not isinstance(x, jax.Array) or getattr(x.sharding, 'memory_kind', None) == 'pinned_host':
+    """Whether a save stages `x` (an array, or a `ShapeDtypeStruct` with a sharding) through
+    pinned memory."""
+    if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) or x.sharding is None or \
+        getattr(x.sharding, 'memory_kind', None) == 'pinned_host':
       return False
     return pinned_memory.available(x) if self.pinned is None else self.pinned
 
   def _pinned_device(self, leaves: Mapping[str, Any]) -> Any:
-    """A device a save of `leaves` (arrays or `ShapeDtypeStruct`s with shardings) stages
-    through pinned memory from; None when it does not."""
-    for x in leaves.values():
-      devices = getattr(getattr(x, 'sharding', None), 'addressable_devices', None)
-      if devices and self.pinned is not False and (self.pinned or pinned_memory.available(x)):
-        return next(iter(devices))
-    return None
+    """A device a save of `leaves` stages through pinned memory from; None when it does not."""
+    return next((next(iter(x.sharding.addressable_devices))
+                 for x in leaves.values()
+                 if self._through_pinned(x)), None)
 
   def _view(self, name: str, index: tuple) -> np.ndarray:
     return self._views[name][index + (Ellipsis,)]  # a view, a 0-d array's too
