@@ -57,3 +57,38 @@ def test_a_hung_step_in_one_process_logs_every_stack_records_failed_and_exits_1(
   assert status['state'] == 'failed' and status['error'] == line[len('jaxckpt: '):]
   events = [json.loads(l) for l in (tmp_path / 'events.jsonl').read_text().splitlines()]
   assert events[-1]['event'] == 'failed' and events[-1]['step'] == 4
+
+
+# An evaluation between steps that never comes back (its bound made a second), then a save that
+# takes longer than the step timeout: the save is left to its own bounded waits.
+PAUSED = """
+import sys, threading, time
+from jaxckpt.hosts import stepwatch
+from jaxckpt.records.runlog import RunLog
+stepwatch.PAUSED_MIN_SECS = 1.0
+with stepwatch.watching({timeout}, RunLog(sys.argv[1]), 2):
+  stepwatch.beat(3)  # the warm-up steps
+  stepwatch.beat(4)
+  with stepwatch.paused():  # a save
+    time.sleep(3 * {timeout})
+  with stepwatch.paused({what!r}):
+    threading.Event().wait()
+"""
+
+
+def test_an_evaluation_that_never_returns_ends_the_run_a_long_save_does_not(tmp_path):
+  r = subprocess.run(
+      [sys.executable, '-c',
+       PAUSED.format(timeout=0.5, what='the evaluation'),
+       str(tmp_path)],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=60)
+  line = r.stderr.strip().splitlines()[-1]
+  assert r.returncode == 1, r.stderr
+  assert line.startswith('jaxckpt: E-DIST-010: the evaluation after step 4 did not complete '
+                         'within 1 s (the last step done: 4; the timeout: max(1 s, the step '
+                         'timeout))'), line
+  events = [json.loads(l) for l in (tmp_path / 'events.jsonl').read_text().splitlines()]
+  assert events[-1]['event'] == 'failed' and events[-1]['step'] == 4

@@ -30,10 +30,10 @@ from typing import Any, Callable, Iterable, Mapping
 import jax
 import numpy as np
 
-from . import (atomic, jobcommit, layout, manifest, multihost, orbaxstore, reading, replicas,
-               retention, shardtable, statefile)
+from . import (atomic, bounded, jobcommit, layout, manifest, multihost, orbaxstore, reading,
+               replicas, retention, shardtable, statefile)
 from .errors import CheckpointError
-from .formats import SAFETENSORS, data_file
+from .formats import SAFETENSORS
 from .options import CheckpointOptions, CommitInfo
 from .policy import RetentionPolicy, SavePolicy
 from .staging import (DeviceSnapshot, HostStager, Unstaged, auto_mode, available_host_memory,
@@ -72,6 +72,7 @@ class CheckpointManager:
     self._stager = HostStager()
     self._executor: concurrent.futures.ThreadPoolExecutor | None = None
     self._pending: concurrent.futures.Future | None = None
+    self._pending_of, self._stuck = (0, 0), None  # its (step, bytes); a `bounded.Stuck` one
     self._lock = threading.Lock()
     self._last_save_step, self._last_save_time, self._in_memory = -1, clock(), {}
     self.removed_debris: list[Path] = []
@@ -219,13 +220,21 @@ class CheckpointManager:
     if self._executor is None:
       self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-save')
     self._pending = self._executor.submit(self._write, *job)
+    self._pending_of = (step, sum(getattr(x, 'nbytes', 0) for x in parts.values()))
 
   def wait_until_finished(self) -> None:
-    """Wait for the save in flight; raise its error here if it failed."""
+    """Wait for the save in flight, bounded (`bounded.finished`); raise its error here if it
+    failed. Past the bound (E-CKPT-018) every later save raises it at once."""
+    if self._stuck is not None:
+      raise self._stuck
     with self._lock:
       pending, self._pending = self._pending, None
     if pending is not None:
-      pending.result()
+      try:
+        bounded.finished(pending, *self._pending_of, self.options.barrier_timeout_secs)
+      except bounded.Stuck as e:
+        self._stuck = e
+        raise
 
   def take_error(self) -> BaseException | None:
     """The error of a background save that has finished, cleared as if raised; None when none
@@ -240,10 +249,11 @@ class CheckpointManager:
 
   def close(self) -> None:
     try:
-      self.wait_until_finished()
+      if self._stuck is None:  # raised once already otherwise
+        self.wait_until_finished()
     finally:
-      if self._executor is not None:
-        self._executor.shutdown(wait=True)
+      if self._executor is not None:  # not a thread stuck past its bound
+        self._executor.shutdown(wait=self._stuck is None)
         self._executor = None
       self._stager.close()
 
@@ -411,26 +421,11 @@ class CheckpointManager:
     """
     step_dir = self._resolve(step_or_dir)
     raw, meta = manifest.read_bytes(step_dir)
-    single = data_file(meta)
     checksums = verify and self.options.verify_checksums
     want = named_leaves(target)
     shards = reading.shard_rows(step_dir, raw, meta, verify=verify)
     if verify:
-      # The state file's CRC is checked while it is read below (tensor by tensor when `only`
-      # picks a subset, shard by shard across processes): one pass over the data, not two.
-      # Across processes, a file holding none of this process's shards may be on another disk.
-      read_later = [single] if single else multihost.state_files(meta) + [shardtable.SHARDS]
-      _, problems = manifest.audit(
-          step_dir,
-          meta,
-          checksums=checksums,
-          skip_checksum=read_later,
-          absent_ok=() if shards is None else multihost.unread(meta, want, shards))
-      if problems:
-        raise CheckpointError(
-            'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +
-            (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
-            'resume from an earlier checkpoint')
+      reading.audit(step_dir, meta, want, shards, checksums=checksums)
     saved = {t['name']: t for t in meta['tensors'] if only is None or only(t['name'])}
     check_fits(step_dir, saved, want)
     how = {'checksums': checksums, 'verify': verify, 'partial': only is not None, 'shards': shards}

@@ -26,6 +26,8 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
+from . import bounded
+
 _log = logging.getLogger(__name__)
 
 # Bytes of the shards one window copies.
@@ -82,8 +84,10 @@ def copy(pieces_: list[Piece],
       here, arriving = arriving, []
       if i + 1 < len(runs):
         arriving = _to_pinned(runs[i + 1])  # under way while this window is copied
-      copy_pairs([(into(name, index), np.asarray(host))
-                  for (name, index, _), host in zip(run, jax.block_until_ready(here))])
+      bounded.ready([(name, x) for (name, _, _), x in zip(run, here)], 'staging to pinned memory')
+      copy_pairs([
+          (into(name, index), np.asarray(host)) for (name, index, _), host in zip(run, here)
+      ])
       _let_go(here)
   finally:
     _let_go(here)

@@ -26,6 +26,27 @@ from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file, read_state_file
 
 
+def audit(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any],
+          shards: shardtable.Table | None, *, checksums: bool) -> None:
+  """E-CKPT-003 unless the checkpoint's files match its manifest, before a restore reads them.
+  The state files' CRCs are checked while they are read (tensor by tensor when a subset is
+  read, shard by shard across processes): one pass over the data, not two. Across processes, a
+  file holding none of this process's shards may be on another disk."""
+  single = data_file(meta)
+  read_later = [single] if single else multihost.state_files(meta) + [shardtable.SHARDS]
+  _, problems = manifest.audit(
+      step_dir,
+      meta,
+      checksums=checksums,
+      skip_checksum=read_later,
+      absent_ok=() if shards is None else multihost.unread(meta, want, shards))
+  if problems:
+    raise CheckpointError(
+        'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +
+        (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
+        'resume from an earlier checkpoint')
+
+
 def shard_rows(step_dir: Path, raw: bytes, meta: Mapping[str, Any], *,
                verify: bool) -> shardtable.Table | None:
   """The shard table of a checkpoint read from several state files (across processes), read

@@ -33,7 +33,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from . import multihost, statefile
+from . import bounded, multihost, statefile
 from .errors import ArgumentError, CheckpointError
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,8 @@ def write(state_dir: Path, copies: list[tuple[int, dict, dict]]) -> dict[str, di
   written = {}
   for of, parts, places in copies:
     name = statefile.file_name(of)
-    host = {t: np.asarray(x) for t, x in parts.items()}  # waits for the move
+    bounded.ready(parts.items(), f"the replica of process {of}'s part")  # the move, bounded
+    host = {t: np.asarray(x) for t, x in parts.items()}
     files, _ = statefile.write(
         state_dir, host, name=name, metadata=multihost.header_metadata(places))
     written[f'{state_dir.name}/{name}'] = files[name]

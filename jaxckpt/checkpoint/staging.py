@@ -37,8 +37,8 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from . import bounded, statefile
 from . import pinned as pinned_memory
-from . import statefile
 from .directio import ALIGN, aligned_empty, padded
 from .errors import CheckpointError
 
@@ -177,6 +177,7 @@ class HostStager:
       if isinstance(x, jax.Array) and not x.is_fully_addressable:
         raise CheckpointError('E-CKPT-007', f'{name} is not fully addressable from this '
                               'process', 'multi-process saving needs a process-local writer')
+    bounded.ready(leaves.items(), 'save')  # the step computing them may still be running
     self._lay_out(statefile.plan(leaves))
     through = [n for n, x in leaves.items() if self._through_pinned(x)]
     taken = set(through)
@@ -363,6 +364,7 @@ class Unstaged(Mapping[str, np.ndarray]):
   leaf is fetched when the writer reaches it."""
 
   def __init__(self, leaves: Mapping[str, Any]):
+    bounded.ready(leaves.items(), 'save')  # the step computing them may still be running
     self._leaves = leaves
 
   def __getitem__(self, name: str) -> np.ndarray:

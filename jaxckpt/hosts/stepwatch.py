@@ -8,8 +8,11 @@ comes within the timeout it logs every thread's stack (`faulthandler`), records 
 
 The timeout is `--step_timeout_secs`, else max(600 s, 50 x the median time between beats). The
 first `WARMUP` steps of a start (which compile: the first call, and the second, whose inputs are
-the first's outputs) get at least 600 s whatever the flag, and are not measured. What the loop
-does between two beats (a save, an evaluation) counts as part of the step.
+the first's outputs) get at least 600 s whatever the flag, and are not measured.
+
+Work between two steps (`paused`) is not a step: a save is left to its own bounded waits (the
+checkpoint library's, E-CKPT-018 for the devices), and an evaluation or the samples, which wait on
+the devices as a step does, get max(`PAUSED_MIN_SECS`, the step timeout) before the same end.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ MIN_SECS = 600.0  # the default timeout, and the warm-up steps'
 WARMUP = 2  # steps
 MEDIAN_FACTOR = 50
 RECORD_SECS = 10.0  # for the records of a hung run, before it exits anyway
+PAUSED_MIN_SECS = 3600.0  # an evaluation or the samples between two steps
 
 
 def check(timeout_secs: float | None) -> None:
@@ -60,7 +64,8 @@ class StepWatch(threading.Thread):
     self.done = (step, time.monotonic())  # the last step done, and when: one tuple, one read
     self.beats = 0
     self.intervals: collections.deque[float] = collections.deque(maxlen=101)
-    self.paused = 0  # inside `paused()`: waits with timeouts of their own, not a step
+    self.paused = 0  # inside `paused()`: not a step
+    self.within: list[str] = []  # the watched work under way between two steps (`paused(what)`)
     self._closed = threading.Event()
 
   def beat(self, step: int) -> None:
@@ -75,21 +80,28 @@ class StepWatch(threading.Thread):
   def run(self) -> None:
     while True:
       limit = timeout(self.fixed, list(self.intervals), warming=self.beats < WARMUP)
+      what = self.within[-1] if self.within else None
+      if what is not None:
+        limit = max(limit, PAUSED_MIN_SECS)
       step, last = self.done
       waited = time.monotonic() - last
-      if waited >= limit and not self.paused:
-        self._stuck(step, waited)
+      if waited >= limit and (not self.paused or what is not None):
+        self._stuck(step, waited, what)
       if self._closed.wait(min(1.0, max(0.05, limit - waited))):
         return
 
-  def _stuck(self, step: int, waited: float) -> None:
-    line = (f'E-DIST-010: step {step + 1} did not complete within {waited:.0f} s (the last step '
-            f'done: {step}; the timeout: --step_timeout_secs, or max(600 s, 50 x the median '
-            "step)); every thread's stack is in the log above; start the run again: it resumes "
-            'from its last checkpoint (a hung collective: look for a stopped or stuck process)')
+  def _stuck(self, step: int, waited: float, what: str | None = None) -> None:
+    if what is None:
+      what, limit = f'step {step + 1}', '--step_timeout_secs, or max(600 s, 50 x the median step)'
+    else:
+      what, limit = f'{what} after step {step}', f'max({PAUSED_MIN_SECS:.0f} s, the step timeout)'
+    line = (f'E-DIST-010: {what} did not complete within {waited:.0f} s (the last step done: '
+            f"{step}; the timeout: {limit}); every thread's stack is in the log above; start the "
+            'run again: it resumes from its last checkpoint (a hung collective: look for a '
+            'stopped or stuck process)')
     try:
-      logging.error('step %d has not completed after %.0f s: every thread of this process:',
-                    step + 1, waited)
+      logging.error('%s has not completed after %.0f s: every thread of this process:', what,
+                    waited)
       sys.stdout.flush()
       sys.stderr.flush()
       faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -131,15 +143,20 @@ def beat(step: int) -> None:
 
 
 @contextlib.contextmanager
-def paused() -> Iterator[None]:
-  """Work between steps that is not a step (a save, which waits with timeouts of its own; an
-  evaluation; samples): not timed, and the next step is timed from its end."""
+def paused(what: str | None = None) -> Iterator[None]:
+  """Work between steps that is not a step: not timed as one, and the next step is timed from
+  its end. `what` (an evaluation, the samples) is watched with a bound of its own (module
+  docstring); None (a save) is left to the save's own bounded waits."""
   for watch in _active:
     watch.paused += 1
+    if what is not None:
+      watch.within.append(what)
   try:
     yield
   finally:
     now = time.monotonic()
     for watch in _active:
       watch.paused -= 1
+      if what is not None:
+        watch.within.remove(what)
       watch.done = (watch.done[0], now)

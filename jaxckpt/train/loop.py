@@ -372,12 +372,12 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
       progress.flush(log=True)
       runlog.status(step=step)
     if config.train.eval_every and step % config.train.eval_every == 0:
-      with stepwatch.paused():
+      with stepwatch.paused('the evaluation'):
         heldout[step] = evaluate(trainer, state.params, dataset)
       runlog.event('eval', step=step, heldout_loss=heldout[step])
       logging.info('step %d  held-out loss %.4f', step, heldout[step])
     if sample_every and (step % sample_every == 0 or step == total):
-      with stepwatch.paused():
+      with stepwatch.paused('the samples'):
         samples = generate_samples(trainer, state.params, step)  # on every process: computes
       if distributed.leader():
         phases.write_samples(session.workdir, session.bandit.state['phase'], step, samples,
