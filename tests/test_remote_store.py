@@ -2,6 +2,8 @@
 emulator, and a path. Uploads land manifest last; downloads are byte-identical and CRC-checked;
 the lease admits one writer; the uploader survives a store that goes away."""
 
+import concurrent.futures
+import os
 import time
 from pathlib import Path
 
@@ -141,6 +143,26 @@ def test_each_process_uploads_its_own_state_file_and_process_0_the_rest():
 def test_unknown_schemes_are_refused(url, kind):
   with pytest.raises(StoreError, match=kind):
     Store(url)
+
+
+def test_a_mounted_path_that_does_not_answer_fails_the_request_naming_it(tmp_path, monkeypatch):
+  # A named pipe with no writer: opening it waits for good, as a read on a hung mount does.
+  from jaxckpt.checkpoint.remote import store as store_lib
+  monkeypatch.setattr(store_lib, 'FILE_OP_SECS', 1.0)
+  (tmp_path / 'bucket').mkdir()
+  store = Store(f'file://{tmp_path}/bucket/run')
+  store.write('ok', b'1')
+  os.mkfifo(tmp_path / 'bucket' / 'run' / 'hung')
+  assert store.read('ok') == b'1' and store.list() == ['hung', 'ok']
+  waiter = concurrent.futures.ThreadPoolExecutor(3)  # a request without a bound fails, not hangs
+  for request in (lambda: store.read('hung'), lambda: store.read_range('hung', 0, 4),
+                  lambda: store.start_read('hung').result()):
+    with pytest.raises(StoreError) as e:
+      waiter.submit(request).result(timeout=60)
+    assert e.value.code == 'E-STORE-010' and e.value.what.startswith(
+        f'read file://{tmp_path}/bucket/run/hung failed'), e.value
+    assert 'a mount that does not answer' in e.value.fix, e.value
+  waiter.shutdown(wait=False)
 
 
 def _copy(step_dir, tmp_path):

@@ -57,6 +57,9 @@ SCHEMES = ('s3', 'gs', 'file')
 _URL = re.compile(r'^(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*)://(?P<rest>.*)$')
 _TS_RETRIES = {'max_retries': 0}  # tensorstore's: every retry is `Store`'s own (`Retries`)
 _ABSENT = b'\x02'  # tensorstore's generation of a key that holds no value
+# A mounted path's request (`file`) unanswered this long is a mount that does not answer (S3
+# and GCS requests are bounded by `HTTP_TIMEOUTS`); a call's own `timeout` overrides it.
+FILE_OP_SECS = 600.0
 _AUTH_LOG = 'google_auth_provider.cc'  # where tensorstore says how it found GCS credentials
 _auth_said = threading.Lock()  # taken for good by the first GCS store of the process
 
@@ -239,6 +242,8 @@ class Store:
   def _call(self, op: str, key: str | None, fn: Callable, *, timeout: float | None = None):
     """`fn(seconds left of timeout, or None)` (a request), retried as `self.retries` says."""
     r, t0 = self.retries, time.monotonic()
+    if timeout is None and self.scheme == 'file':  # no HTTP timeouts bound a mount's answer
+      timeout = FILE_OP_SECS
     end, tries, slow, transient = None if timeout is None else t0 + timeout, 0, 0, 0
     while True:
       tries += 1
@@ -261,21 +266,25 @@ class Store:
                 'E-STORE-015', f'{op} {where}: the store answered HTTP {status} '
                 f'(slow down) to {tries} tries over {time.monotonic() - t0:.1f} s',
                 'send fewer requests: --remote_rate=auto, or a lower number (pacing)', kind) from e
+          hung = self.scheme == 'file' and isinstance(e, TimeoutError)
           raise (StoreTimeout if isinstance(e, TimeoutError) else StoreError)(
-              'E-STORE-010', f'{op} {where} failed: {message.splitlines()[0][:300]}',
-              'check the store and the network; the operation is retried', kind) from e
+              'E-STORE-010', f'{op} {where} failed: {message.splitlines()[0][:300]}' +
+              (f' after {time.monotonic() - t0:.0f} s' if hung else ''),
+              'check that filesystem (a mount that does not answer)'
+              if hung else 'check the store and the network; the operation is retried', kind) from e
         logging.debug('%s %s: %s; retried in %.1f s', op, where, kind, wait)
         time.sleep(wait)
 
   # Plain operations.
   def read(self, key: str) -> bytes | None:
     """The object's bytes, or None when there is none."""
-    r = self._call('read', key, lambda left: self.kv.read(key).result())
+    r = self._call('read', key, lambda left: self.kv.read(key).result(timeout=left))
     return r.value if r.state == 'value' else None
 
   def read_range(self, key: str, start: int, stop: int) -> bytes:
-    r = self._call('read', key,
-                   lambda left: self.kv.read(key, byte_range=slice(start, stop)).result())
+    r = self._call(
+        'read', key,
+        lambda left: self.kv.read(key, byte_range=slice(start, stop)).result(timeout=left))
     if r.state != 'value':
       raise StoreError('E-STORE-011', f'{self.join(key)} is missing', 'the object was removed')
     return r.value
@@ -290,7 +299,7 @@ class Store:
 
     def read(left):
       try:
-        return self.kv.read(key, byte_range=slice(start, stop)).result()
+        return self.kv.read(key, byte_range=slice(start, stop)).result(timeout=left)
       except ValueError as e:
         # S3 answers 416; the GCS emulator a Content-Range that tensorstore refuses.
         if any(s in str(e).lower() for s in ('out_of_range', 'content-range', 'not satisfiable')):
@@ -336,7 +345,7 @@ class Store:
     return request.result()
 
   def delete(self, key: str) -> None:
-    self._call('delete', key, lambda left: self.kv.write(key, None).result())
+    self._call('delete', key, lambda left: self.kv.write(key, None).result(timeout=left))
 
   def delete_many(self, keys: Iterable[str]) -> None:
     for request in [self.start_write(k, None, 'delete') for k in keys]:
@@ -345,7 +354,7 @@ class Store:
   def list(self, prefix: str = '') -> list[str]:
     """Every key that starts with `prefix`, sorted."""
     keys = self._call('list', prefix or None,
-                      lambda left: self.kv.list(_key_range(prefix)).result())
+                      lambda left: self.kv.list(_key_range(prefix)).result(timeout=left))
     # Filtered here too: some servers (the GCS emulator) answer with more than the range asked.
     return sorted(k for k in (k.decode() for k in keys) if k.startswith(prefix))
 
