@@ -10,7 +10,8 @@ from pathlib import Path
 from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
 from jaxckpt.errors import UsageError
-from jaxckpt.export.offline import FORMATS, check_out, export_bin, export_checkpoint
+from jaxckpt.export.offline import (FORMATS, check_bin_format, check_out, export_bin,
+                                    export_checkpoint)
 from jaxckpt.records import provenance
 
 
@@ -32,20 +33,35 @@ def _parser():
   parser.add_argument(
       '--out',
       required=True,
-      help='the directory (safetensors, hf) or file '
-      '(bin) to write; replaced atomically if it exists')
+      help='the directory (safetensors, hf) or file (bin) to write; an earlier export of the same '
+      'format there is replaced whole and atomically, anything else is refused')
   parser.add_argument(
       '--config',
       help='configs/<name>.py: the model config (required for a '
       ".bin, which holds none; overrides the manifest's for a checkpoint)")
-  # Weights only by default, as exports during training (`export.optimizer`, off by default);
-  # --no-optimizer, the flag of the old default, still works and is now the default.
+  # Weights only by default, as exports during training (`export.optimizer`, off by default).
+  # None: not given. A format that cannot do what the flag says refuses it (`_check_optimizer`).
   parser.add_argument(
       '--optimizer',
       action=argparse.BooleanOptionalAction,
-      default=False,
-      help='safetensors: also write optimizer.safetensors (Adam m and v); default: weights only')
+      default=None,
+      help='safetensors: also write optimizer.safetensors (Adam m and v); default: weights only. '
+      'hf holds the weights only and a .bin always holds m and v: there the flag is refused')
   return parser
+
+
+def _check_optimizer(fmt: str, optimizer: bool | None) -> None:
+  """Refuse an --optimizer/--no-optimizer the format cannot honour, rather than ignore it."""
+  if fmt == 'hf' and optimizer:
+    raise UsageError(
+        'E-USAGE-001', 'jaxckpt export: --optimizer does not apply to --format=hf: a Hugging '
+        'Face directory holds the weights only', 'leave out --optimizer, or export '
+        '--format=safetensors --optimizer for Adam m and v')
+  if fmt == 'bin' and optimizer is False:
+    raise UsageError(
+        'E-USAGE-001', 'jaxckpt export: --no-optimizer does not apply to --format=bin: a .bin '
+        'always holds Adam m and v (8 + 12n bytes)', 'leave out --no-optimizer, or export '
+        '--format=safetensors or --format=hf for the weights only')
 
 
 def _model_config_from_file(path: str):
@@ -76,18 +92,23 @@ def main(argv: list[str]) -> int:
   """
   args = _parser().parse_args(argv)
   source = Path(args.source)
+  if source.suffix == '.bin':
+    check_bin_format(source, args.format)
+  _check_optimizer(args.format, args.optimizer)
+  optimizer = bool(args.optimizer)
   model_cfg = _model_config_from_file(args.config) if args.config else None
   check_out(args.format, Path(args.out))  # before a remote checkpoint is downloaded
   if source.suffix == '.bin':
     if model_cfg is None:
       raise UsageError('E-USAGE-003', f'{source} is a .bin, which holds no model config',
                        'pass --config=configs/<name>.py, the config it was trained with')
-    out = export_bin(source, args.format, args.out, model_cfg, optimizer=args.optimizer)
+    out = export_bin(source, args.format, args.out, model_cfg, optimizer=optimizer)
   else:
     with remote_args.local_checkpoint(args.source) as local:
       out = export_checkpoint(
-          local, args.format, args.out, model_cfg=model_cfg, optimizer=args.optimizer)
-  weights_only = args.format == 'safetensors' and not args.optimizer
-  print(f'exported {source} as {args.format} to {out}' +
+          local, args.format, args.out, model_cfg=model_cfg, optimizer=optimizer)
+  weights_only = args.format == 'safetensors' and not optimizer
+  # The source as given: a URL through Path() would lose a slash (file:///x -> file:/x).
+  print(f'exported {args.source} as {args.format} to {out}' +
         (' (weights only; --optimizer also writes Adam m and v)' if weights_only else ''))
   return 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterator
@@ -26,6 +27,7 @@ from jaxckpt.errors import UsageError
 
 _URL = re.compile(r'^[a-zA-Z][a-zA-Z0-9+.-]*://')
 _STEP = re.compile(r'^(?P<run>.*)/checkpoints/(?P<name>step_\d{8,})/?$')
+_NOT_INTACT = 'E-STORE-012'  # a remote checkpoint that is not intact: an older one may be
 
 
 def is_url(arg: str) -> bool:
@@ -60,14 +62,44 @@ def newest(store: Store) -> int:
 @contextlib.contextmanager
 def local_checkpoint(arg: str) -> Iterator[Path]:
   """`arg` itself when it is a local path; for a URL, a downloaded copy of the checkpoint it
-  names (a run's URL: its newest intact checkpoint), removed afterwards."""
+  names, removed afterwards. A run's URL names its newest intact checkpoint: one whose download
+  fails its checks (an object missing, a CRC-32 mismatch) is passed over, saying so on stderr,
+  for the next older one."""
   if not is_url(arg):
     yield Path(arg)
     return
   store = open_run(arg)
   step = split(arg)[1]
   with _tempdir() as tmp:
-    yield _download(store, newest(store) if step is None else step, tmp / 'checkpoints')
+    root = tmp / 'checkpoints'
+    yield _download(store, step, root) if step is not None else _download_newest(store, root)
+
+
+def _download_newest(store: Store, root: Path) -> Path:
+  """The newest remote checkpoint that downloads intact, into `root`."""
+  skipped: list[tuple[int, str]] = []
+  try:
+    steps = sorted(objects.committed(store), reverse=True)
+  except StoreError as e:
+    raise UsageError(e.code, e.what, e.fix) from None
+  for step in steps:
+    try:
+      return objects.download(store, step, root)[0]
+    except CheckpointError as e:
+      if e.code != _NOT_INTACT:  # the store unreachable or refusing: not the checkpoint's fault
+        if isinstance(e, StoreError):
+          raise UsageError(e.code, e.what, e.fix) from None
+        raise
+      # The download left nothing behind; what it found is said, then the next older one tried.
+      print(
+          f'jaxckpt: passing over remote step {step}: {e.code}: {e.what}; taking the next '
+          'older one',
+          file=sys.stderr,
+          flush=True)
+      skipped.append((step, e.what))
+  why = f' (newest: step {skipped[0][0]}: {skipped[0][1]})' if skipped else ''
+  raise UsageError('E-STORE-009', f'{store.url} holds no intact checkpoint{why}',
+                   'check the URL: a run written with --remote=URL has URL/checkpoints/')
 
 
 @contextlib.contextmanager

@@ -9,6 +9,8 @@
 - `flatbin`: the raw ANDREA `step_NNNNNN.bin` (header, weights, Adam m, Adam v; 8 + 12n bytes).
 - `offline`: any of the above from a committed checkpoint directory or a `.bin`, without
   building the model (`jaxckpt export`).
+- `target`: what an existing `--out` of `jaxckpt export` may be (an earlier export of the same
+  format, nothing else), and its write errors as one line.
 
 Every writer is a pure function of host numpy arrays and publishes atomically: it writes under a
 temporary sibling name, fsyncs, renames into place and fsyncs the parent, so a crash never leaves

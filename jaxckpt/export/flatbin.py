@@ -122,14 +122,18 @@ def read_bin(
         'E-BIN-001', f'{path} is {size:,} bytes but this model ({n:,} parameters) '
         f'needs 8 + 12*{n:,} = {expected_size(n):,} bytes',
         'read it with the model config that wrote it')
-  with open(path, 'rb') as f:
-    step, header_n = HEADER.unpack(f.read(HEADER.size))
-    if header_n != n:
-      raise ResumeError(
-          'E-BIN-001', f'{path} header says n_params={header_n:,} but this model '
-          f'has {n:,} (expected size {expected_size(n):,} bytes, actual {size:,})',
-          'read it with the model config that wrote it')
-    flat = [np.fromfile(f, dtype=_F32, count=n).astype(np.float32, copy=False) for _ in SECTIONS]
+  try:
+    with open(path, 'rb') as f:
+      step, header_n = HEADER.unpack(f.read(HEADER.size))
+      if header_n != n:
+        raise ResumeError(
+            'E-BIN-001', f'{path} header says n_params={header_n:,} but this model '
+            f'has {n:,} (expected size {expected_size(n):,} bytes, actual {size:,})',
+            'read it with the model config that wrote it')
+      flat = [np.fromfile(f, dtype=_F32, count=n).astype(np.float32, copy=False) for _ in SECTIONS]
+  except OSError as e:  # no read permission, a failing disk
+    raise ResumeError('E-BIN-003', f'cannot read {path}: {e.strerror or e}',
+                      'check the path of the .bin file') from e
   return (step, *(_split(section, shapes) for section in flat))
 
 

@@ -8,9 +8,10 @@
     jaxckpt export runs/tiny/exports/step_000300.bin --format=safetensors \\
         --config=configs/tiny.py --out=out/step_300
 
-Nothing here builds the model or touches an accelerator: the arrays are read with orbax as host
-numpy arrays, the model config and step come from the checkpoint's `manifest.json`, and the
-checkpoint's checksums are verified before anything is written.
+Nothing here builds the model or touches an accelerator: the arrays are read as host numpy
+arrays, the model config and step come from the checkpoint's `manifest.json`, and the manifest's
+seal and the checkpoint's checksums are verified before anything is written. An existing `out` is
+replaced only when it is an earlier export of the same format (`jaxckpt.export.target`).
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from jaxckpt.checkpoint import layout, manifest
-from jaxckpt.checkpoint.atomic import fsync_dir
 from jaxckpt.checkpoint.formats import data_file, read_host_arrays
 from jaxckpt.errors import CheckpointError, UsageError
-from jaxckpt.export import flatbin, frozen, hf, safetensors_io
+from jaxckpt.export import atomic_dir, flatbin, frozen, hf, safetensors_io, target
 from jaxckpt.model import gpt as model_lib
 from jaxckpt.model import names
 
@@ -95,9 +95,16 @@ def _read_manifest(step_dir: Path) -> dict[str, Any]:
     raise UsageError(
         'E-EXPORT-003', f'{step_dir} is not a committed checkpoint (a step_<n> '
         'directory with a manifest.json)', 'pass a checkpoints/step_<n> directory')
-  meta = manifest.read(step_dir)
-  # The raw store's data is checked against its checksum while `_read_arrays` reads it.
-  problems = manifest.file_problems(step_dir, meta, checksums=True, skip_checksum=[data_file(meta)])
+  try:
+    meta = manifest.read(step_dir)
+  except CheckpointError as e:  # not JSON, not a jaxckpt manifest
+    if e.code != 'E-CKPT-004':
+      raise
+    raise _damaged(step_dir, e.what) from None
+  # The manifest against its own seal, as `jaxckpt verify` checks it, then every file against
+  # the manifest; the raw store's data is checked against its checksum while `_read_arrays`
+  # reads it.
+  _, problems = manifest.audit(step_dir, meta, checksums=True, skip_checksum=[data_file(meta)])
   if problems:
     raise _damaged(step_dir, problems[0])
   return meta
@@ -138,11 +145,17 @@ def export_checkpoint(step_dir: str | os.PathLike,
     step_dir: a committed `checkpoints/step_<n>` directory.
     fmt: 'safetensors' (`out` is a directory: model.safetensors, and optimizer.safetensors when
       `optimizer`), 'hf' (`out` is the GPT-2 directory) or 'bin' (`out` is the .bin file).
-    out: where the export goes (`export_path` gives the conventional place).
+    out: where the export goes (`export_path` gives the conventional place). An existing one is
+      replaced whole when it is an earlier export of `fmt`, and refused otherwise (`check_out`).
     model_cfg: `config.model`; defaults to the one recorded in the manifest.
     optimizer: write optimizer.safetensors next to model.safetensors (safetensors only; off by
-      default, as for exports during training). Without it, an optimizer.safetensors left in
-      `out` by an earlier export is removed: it would not belong to the new model.safetensors.
+      default, as for exports during training). Without it, the optimizer.safetensors of an
+      earlier export in `out` goes with the rest of it: it would not belong to the new weights.
+
+  Raises:
+    UsageError (E-EXPORT-007): `out` is not an earlier export of `fmt`, or cannot be written.
+    CheckpointError (E-EXPORT-004): the checkpoint is damaged (its manifest's seal, a file).
+    CheckpointError (E-EXPORT-008): writing failed (a full disk); nothing of it was left.
   """
   _check_format(fmt, FORMATS)
   check_out(fmt, Path(out))
@@ -169,9 +182,10 @@ def export_bin(bin_path: str | os.PathLike,
   """Export a `.bin` (weights, m, v) as 'safetensors' or 'hf' at `out`; returns `out`.
 
   Raises:
+    UsageError (E-EXPORT-001): `fmt` is not safetensors or hf.
     ResumeError (E-BIN-001): the file's size is not 8 + 12n for `model_cfg`.
   """
-  _check_format(fmt, ('safetensors', 'hf'))
+  check_bin_format(bin_path, fmt)
   check_out(fmt, Path(out))
   cfg = model_lib.as_model_config(model_cfg)
   step, params, m, v = flatbin.read_bin(bin_path, model_lib.param_shapes(cfg))
@@ -179,43 +193,42 @@ def export_bin(bin_path: str | os.PathLike,
   return _write(fmt, Path(out), step, cfg, params, m, v, optimizer=optimizer, metadata=source)
 
 
+def check_bin_format(bin_path: str | os.PathLike, fmt: str) -> None:
+  """A `.bin` converts to safetensors or hf: refuse any other `fmt` (E-EXPORT-001)."""
+  if fmt == 'bin':
+    raise UsageError('E-EXPORT-001', f'{bin_path} is a .bin already: a .bin converts to '
+                     'safetensors or hf only', 'pass --format=safetensors or --format=hf')
+  _check_format(fmt, ('safetensors', 'hf'))
+
+
 def _write(fmt: str, out: Path, step: int, cfg, params, m, v, *, optimizer: bool,
            metadata: Mapping[str, str]) -> Path:
   meta = {'step': step, 'jaxckpt.model': json.dumps(cfg.to_dict(), sort_keys=True), **metadata}
-  if fmt == 'hf':
-    hf.write_hf_dir(out, params, cfg, metadata=meta)
-    return out
-  if fmt == 'bin' and m is None:
-    raise UsageError('E-EXPORT-005', 'the checkpoint holds no Adam moments (mu/nu) for the '
-                     '.bin format', 'export --format=safetensors or --format=hf instead')
-  out.parent.mkdir(parents=True, exist_ok=True)
-  if fmt == 'bin':
-    flatbin.write_bin(out, step, params, m, v)
-    return out
-  out.mkdir(exist_ok=True)
-  safetensors_io.write_model(out / MODEL_FILE, params, metadata=meta)
-  if optimizer and m is not None:
-    safetensors_io.write_optimizer(out / OPTIMIZER_FILE, m, v, metadata=meta)
-  elif (out / OPTIMIZER_FILE).exists():  # an earlier export's moments, of other weights
-    (out / OPTIMIZER_FILE).unlink()
-    fsync_dir(out)
+  if m is None and (fmt == 'bin' or (fmt == 'safetensors' and optimizer)):
+    what = 'the .bin format' if fmt == 'bin' else OPTIMIZER_FILE
+    raise UsageError('E-EXPORT-005', f'the checkpoint holds no Adam moments (mu/nu) for {what}',
+                     'export the weights only: --format=safetensors (without --optimizer) or hf')
+  check_out(fmt, out)  # again: what was there may have changed while the arrays were read
+  with target.writing(out):
+    if fmt == 'hf':
+      hf.write_hf_dir(out, params, cfg, metadata=meta)
+    elif fmt == 'bin':
+      flatbin.write_bin(out, step, params, m, v)
+    else:  # the directory whole, as hf's: no file of the export it replaces is mixed in
+      with atomic_dir(out) as tmp:
+        safetensors_io.write_model(tmp / MODEL_FILE, params, metadata=meta)
+        if optimizer:
+          safetensors_io.write_optimizer(tmp / OPTIMIZER_FILE, m, v, metadata=meta)
+        if (out / target.HF_DIR).is_dir():  # a run's exports/step_<n>/: its hf export stays
+          target.keep_hf(out / target.HF_DIR, tmp / target.HF_DIR)
   return out
 
 
 def check_out(fmt: str, out: Path) -> None:
-  """Before anything is read: an existing `out` of the other kind (a directory for a .bin, a
-  file for safetensors or hf) is refused, never replaced by the export."""
+  """Before anything is read: refuse (E-EXPORT-007) an existing `out` that is not an earlier
+  export of `fmt` (`jaxckpt.export.target` has the rule), or a path under a file."""
   _check_format(fmt, FORMATS)
-  for parent in out.parents:  # a file where a directory of the path must go
-    if parent.exists() and not parent.is_dir():
-      raise UsageError('E-EXPORT-007', f'{parent} is a file, so {out} cannot be made',
-                       'name a path under a directory')
-  if fmt == 'bin' and out.is_dir():
-    raise UsageError('E-EXPORT-007', f'{out} is a directory; a bin export is one file',
-                     f'name the file to write, e.g. {out / "step_NNNNNN.bin"}')
-  if fmt != 'bin' and out.exists() and not out.is_dir():
-    raise UsageError('E-EXPORT-007', f'{out} is a file; a {fmt} export is a directory',
-                     'name a directory (an earlier export there is replaced)')
+  target.check_out(fmt, out)
 
 
 def _check_format(fmt: str, allowed: tuple[str, ...]) -> None:
