@@ -367,7 +367,7 @@ def test_a_manifest_naming_files_outside_is_reported_not_followed(pristine, tmp_
   (step_dir / layout.MANIFEST).write_bytes(manifest.sealed_json(m))
   code, out, _ = call_cli(['verify', str(step_dir)], capsys)
   assert code == 1 and out.splitlines() == [
-      f"FAIL {step_dir}: {step_dir}: manifest names a file outside the checkpoint: '../../outside': "
+      f"FAIL {step_dir}: manifest names a file outside the checkpoint: '../../outside': "
       'a name that leaves its directory (an empty, . or .. part)'
   ]
 

@@ -64,13 +64,14 @@ def fill(step_dir: Path, shards: shardtable.Table, boxes: Mapping[str, dict[Box,
       for array, wanted in boxes.items():
         dtype = np.dtype(dtypes[array])
         for box, buf in wanted.items():
-          covered = 0
+          parts = []  # what each shard gives, in the box's own coordinates
           for s in shards.overlapping(array, box):
             local = [(max(a, b0) - b0, min(b, b0 + n) - b0)
                      for (a, b), b0, n in zip(box, s['start'], s['shape'])]
             if any(lo >= hi for lo, hi in local):
               continue
-            covered += math.prod(hi - lo for lo, hi in local)
+            parts.append(([b0 + lo - a for (lo, _), b0, (a, _) in zip(local, s['start'], box)],
+                          [hi - lo for lo, hi in local]))
             fd, header_len, entry = files.entry(s['file'], s['tensor'])
             if entry['shape'] != list(s['shape']) or statefile.DTYPES[entry['dtype']] != dtype:
               raise CheckpointError(
@@ -80,9 +81,12 @@ def fill(step_dir: Path, shards: shardtable.Table, boxes: Mapping[str, dict[Box,
             jobs.append(
                 pool.submit(_read_into, fd, header_len + entry['data_offsets'][0], s, local, box,
                             buf, dtype, checksums and s.get('crc32')))
-          if covered != math.prod(b - a for a, b in box):
-            raise CheckpointError('E-CKPT-012', f'{step_dir}: the shards of {array} do not cover '
-                                  f'{list(box)}', statefile.DAMAGED)
+          # Every element of the box from exactly one shard: a part left out would be a buffer
+          # never written (np.empty's), two that overlap would leave out another part as much.
+          if not shardtable.tiles(parts, [b - a for a, b in box]):
+            raise CheckpointError(
+                'E-CKPT-012', f'{step_dir}: the shards of {array} do not cover '
+                f'{list(box)} exactly once', statefile.DAMAGED)
       for job in jobs:
         job.result()
   finally:

@@ -8,6 +8,7 @@ partition spec), and whatever identity the writer passes in (`metadata`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import time
@@ -104,20 +105,91 @@ _UNREADABLE = 'the file is missing or corrupt; verify the checkpoint'
 
 def parse(step_dir: Path, raw: bytes) -> dict[str, Any]:
   """The manifest in `raw`, the bytes of `step_dir`'s manifest.json. A reader that checks the
-  seal parses the very bytes it checked: a second read could see a writer's newer file."""
+  seal parses the very bytes it checked: a second read could see a writer's newer file.
+
+  Every field a reader relies on is checked for its type (`_malformed`): E-CKPT-004 naming the
+  first that is wrong, never a TypeError or KeyError later in whichever reader meets it."""
   try:
     m = json.loads(raw)
-  except ValueError as e:
-    raise CheckpointError('E-CKPT-004', f'cannot read {step_dir / layout.MANIFEST}: {e}',
+  except (ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep to parse
+    why = e if isinstance(e, ValueError) else 'nested too deep'
+    raise CheckpointError('E-CKPT-004', f'cannot read {step_dir / layout.MANIFEST}: {why}',
                           _UNREADABLE) from e
   if not isinstance(m, dict) or m.get('format') != FORMAT:
     raise CheckpointError('E-CKPT-004', f'{step_dir}: manifest.json is not a jaxckpt manifest',
                           'point at a step_<n> directory written by jaxckpt')
-  if m.get('format_version', 0) > FORMAT_VERSION:
+  version = m.get('format_version', 0)
+  if _whole(version) and version > FORMAT_VERSION:
     raise CheckpointError(
-        'E-CKPT-006', f'{step_dir}: manifest format {m["format_version"]} is '
+        'E-CKPT-006', f'{step_dir}: manifest format {version} is '
         f'newer than this jaxckpt understands ({FORMAT_VERSION})', 'upgrade jaxckpt')
+  if problem := _malformed(m):
+    seal = check_seal(raw, m)  # an edit after the commit, or a writer's own fault
+    raise CheckpointError(
+        'E-CKPT-004', f'{step_dir}: {layout.MANIFEST}: {problem}' + (f' ({seal})' if seal else ''),
+        _UNREADABLE)
   return m
+
+
+def _whole(value: Any) -> bool:
+  """An int (never a bool, which JSON's true would be) >= 0."""
+  return type(value) is int and value >= 0  # pylint: disable=unidiomatic-typecheck
+
+
+def _text(value: Any) -> str:
+  return json.dumps(value, default=str)[:60]
+
+
+def _tensor_problem(field: str, rows: Any) -> str | None:
+  """Why `rows` (the manifest's `field`) is not a tensor table, or None."""
+  if not isinstance(rows, list):
+    return f'{field} is {_text(rows)}, not a list'
+  for k, row in enumerate(rows):
+    where = f'{field}[{k}]'
+    if not isinstance(row, dict):
+      return f'{where} is {_text(row)}, not an object'
+    if not isinstance(row.get('name'), str):
+      return f'{where} has the name {_text(row.get("name"))}, not a string'
+    shape = row.get('shape')
+    if not isinstance(shape, list) or not all(_whole(n) for n in shape):
+      return f'{where} ({row["name"]:.60}) has the shape {_text(shape)}, not a list of counts'
+    if not isinstance(row.get('dtype'), str):
+      return f'{where} ({row["name"]:.60}) has the dtype {_text(row.get("dtype"))}, not a string'
+    if row.get('crc32') is not None and not isinstance(row['crc32'], str):
+      return f'{where} ({row["name"]:.60}) has the crc32 {_text(row["crc32"])}, not a string'
+  return None
+
+
+def _malformed(m: Mapping[str, Any]) -> str | None:
+  """Why manifest `m` cannot be read as one, its first field of the wrong type; None when every
+  field a reader relies on is the type `build` writes. What only `jaxckpt inspect` shows is its
+  own to check."""
+  if 'format_version' in m and not _whole(m['format_version']):
+    return f'format_version is {_text(m["format_version"])}, not a whole number'
+  if not _whole(m.get('step')):
+    return f'step is {_text(m.get("step"))}, not a whole number'
+  at = m.get('committed_at')
+  if at is not None and (type(at) not in (int, float) or not math.isfinite(at)):
+    return f'committed_at is {_text(at)}, not a time'
+  for field in ('tensors', 'excluded'):
+    if (m.get(field) is not None or field == 'tensors') and \
+        (problem := _tensor_problem(field, m.get(field))):
+      return problem
+  files = m.get('files')
+  if not isinstance(files, dict):
+    return f'files is {_text(files)}, not an object'
+  for rel, want in files.items():
+    if not isinstance(want, dict) or not _whole(want.get('size')) or \
+        not isinstance(want.get('crc32'), str):
+      return f'files[{rel!r:.80}] is {_text(want)}, not {{"size": <bytes>, "crc32": <hex>}}'
+  state_files = m.get('state_files')
+  if state_files is not None and (not isinstance(state_files, list)
+                                  or not all(isinstance(f, str) for f in state_files)):
+    return f'state_files is {_text(state_files)}, not a list of file names'
+  for field in ('storage', shardtable.KEY):
+    if m.get(field) is not None and not isinstance(m[field], str):
+      return f'{field} is {_text(m[field])}, not a string'
+  return None
 
 
 def file_problems(
@@ -237,27 +309,39 @@ def audit(
   try:
     m = parse(step_dir, raw) if manifest is None else dict(manifest)
   except CheckpointError as e:
-    return None, [e.what]
+    return None, [_within(step_dir, e.what)]
   problems = [p for p in (check_seal(raw, m),) if p]
   skip_checksum = set(skip_checksum)
-  rows = checksums and m.get(shardtable.KEY) is not None and shardtable.SHARDS not in skip_checksum
-  if rows:  # its size and CRC-32 are checked with its rows, below: one read of it
+  table = m.get(shardtable.KEY) is not None
+  # The shard rows: in shards.json, or in the tensor rows of a format-1 manifest across processes.
+  rows = checksums and (table or bool(m.get('state_files'))) and \
+      shardtable.SHARDS not in skip_checksum
+  if rows and table:  # its size and CRC-32 are checked with its rows, below: one read of it
     skip_checksum.add(shardtable.SHARDS)
   try:
     problems += file_problems(
         step_dir, m, checksums=checksums, skip_checksum=skip_checksum, absent_ok=set(absent_ok))
   except CheckpointError as e:
-    problems.append(e.what)
+    problems.append(_within(step_dir, e.what))
   except (KeyError, TypeError, AttributeError) as e:
     problems.append(f'{layout.MANIFEST}: malformed files table ({type(e).__name__}: {e})')
   if rows and not problems:  # every byte is read: every shard row is checked
     try:
       shardtable.shard_table(step_dir, m, None)
     except CheckpointError as e:
-      problems.append(e.what)
+      problems.append(_within(step_dir, e.what))
     except (KeyError, TypeError, AttributeError, ValueError) as e:
       problems.append(f'{layout.MANIFEST}: malformed ({type(e).__name__}: {e})')
   return m, problems
+
+
+def _within(step_dir: Path, what: str) -> str:
+  """`what`, an error's line about `step_dir`, as a problem of it: without the directory's name
+  in front, which whoever reports the problem puts there (`FAIL <dir>: <problem>`)."""
+  for head in (f'{step_dir}: ', f'{step_dir}/'):
+    if what.startswith(head):
+      return what[len(head):]
+  return what
 
 
 def commit(tmp: Path,

@@ -19,18 +19,21 @@ CRC-32 the sealed manifest gives it, checks it, and finds the cells a box needs 
 The first version of the file (still read; written when shardings are not even splits, which jax does
 not make) holds JSON rows {array, file, tensor, start, shape, crc32}, each process's copied as
 posted; every row is checked before it is used: its file is a state file of the checkpoint, its
-box lies inside its array, and an array's rows add up to its shape. Manifests from before the
-file (format 1) list the shards in their tensor rows, and are read as they are; a jaxckpt from
-before a format refuses it (E-CKPT-006: upgrade jaxckpt).
+box lies inside its array, and an array's rows tile it, every element in exactly one row (`tiles`:
+rows that overlap, their sizes adding up all the same, would leave the rest of the array unread).
+Manifests from before the file (format 1) list the shards in their tensor rows, and are read as
+they are, their rows checked alike; a jaxckpt from before a format refuses it (E-CKPT-006:
+upgrade jaxckpt).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 from pathlib import Path
 from collections import abc
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 from . import atomic, layout, shardgrid
 from .checksum import crc32
@@ -85,7 +88,13 @@ def merge_records(records: list[str],
   want = None if grid is None else grid.fingerprint()
   for record in records:
     head, _, shards = record.partition('\n')
-    head = json.loads(head)
+    try:
+      head = _json(head)
+    except ValueError:
+      head = None
+    if not isinstance(head, dict) or not all(k in head for k in ('file', 'size', 'crc32')):
+      raise CheckpointError('E-DIST-002', f'a part record that is not one: {record[:80]!r}',
+                            'nothing was committed; every process must run the same jaxckpt')
     if head.get('grid') != want or (want and len(shards) != -(-8 * head['cells'] // 3) * 4):
       raise CheckpointError(
           'E-DIST-002', f'the part record of {head["file"]} numbers its shards on another '
@@ -181,6 +190,8 @@ def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> 
       }
       shards = row.get('shards') or ()
       out[name] = [check(dict(s), name) for s in shards] or [whole]
+      if shards:
+        _tile_or_raise(step_dir, name, out[name], row['shape'])
     return Rows(out)
   table = _parse(step_dir, _read(step_dir, meta))
   if isinstance(table, dict):
@@ -194,11 +205,58 @@ def shard_table(step_dir: Path, meta: Mapping[str, Any], single: str | None) -> 
       row = check(s, array)  # parsed here: checked, never copied; an unknown array raises
       out[array].append(row)
   for name, rows in out.items():  # each shard is written once: the rows partition the array
-    if rows and sum(math.prod(r['shape']) for r in rows) != math.prod(shapes[name]):
-      raise CheckpointError(
-          'E-CKPT-012', f'{step_dir}: the shard rows of {name} do not add up to its shape '
-          f'{shapes[name]}', _DAMAGED)
+    if rows:
+      _tile_or_raise(step_dir, name, rows, shapes[name])
   return Rows(out)
+
+
+def _tile_or_raise(step_dir: Path, name: str, rows: list[dict], shape: list[int]) -> None:
+  if not tiles(((r['start'], r['shape']) for r in rows), shape):
+    raise CheckpointError(
+        'E-CKPT-012', f'{step_dir}: the shard rows of {name} do not add up to its shape '
+        f'{shape}: they overlap, leave part of it out, or are not a split of it', _DAMAGED)
+
+
+def tiles(boxes: Iterable[tuple[Sequence[int], Sequence[int]]], shape: Sequence[int]) -> bool:
+  """Whether `boxes` ((start, extent) each, inside an array of `shape`) hold every element of it
+  exactly once: no two overlap and none is left out (an array of no elements: always).
+
+  A sweep along the first dimension: between two consecutive box edges the boxes that span that
+  slab must tile the rest of the shape, checked the same way a dimension down. Each box of a grid
+  (any split of each dimension, what a sharding makes) is looked at once per dimension: O(n log n)
+  for n boxes, never a comparison of every pair. Boxes laid out as no sharding lays them, whose
+  check would look at each box more than a few times a dimension, are not taken either."""
+  if not math.prod(shape):
+    return True
+  todo = [([(list(a), list(n)) for a, n in boxes], list(shape))]
+  budget = 4 * (len(todo[0][0]) + 1) * len(shape)  # boxes handed a dimension down, in all
+  while todo:
+    part, left = todo.pop()
+    if not left:  # a point: exactly one box holds it
+      if len(part) != 1:
+        return False
+      continue
+    # Boxes empty along this dimension hold no element (nor, so, any overlap): left out.
+    part = sorted((b for b in part if b[1][0]), key=lambda b: b[0][0])
+    active: list[tuple[int, int]] = []  # (stop, index) of the boxes that span `at`
+    at, k = 0, 0
+    while at < left[0]:
+      while k < len(part) and part[k][0][0] == at:
+        heapq.heappush(active, (at + part[k][1][0], k))
+        k += 1
+      if not active:  # nothing holds `at`: a part left out (or a box before the array)
+        return False
+      stop = min(active[0][0], part[k][0][0] if k < len(part) else left[0])
+      budget -= len(active)
+      if budget < 0:
+        return False
+      todo.append(([(part[i][0][1:], part[i][1][1:]) for _, i in active], left[1:]))
+      at = stop
+      while active and active[0][0] <= at:
+        heapq.heappop(active)
+    if active or k < len(part):  # a box past the end of the array
+      return False
+  return True
 
 
 def _read(step_dir: Path, meta: Mapping[str, Any]) -> bytes:
@@ -227,7 +285,7 @@ def _parse(step_dir: Path, body: bytes) -> list | dict:
   it is a grid (`shardgrid`)."""
   path = step_dir / SHARDS
   try:
-    table = json.loads(body)
+    table = _json(body)
   except ValueError as e:
     raise CheckpointError('E-CKPT-012', f'{path}: not JSON ({e})', _DAMAGED) from e
   if isinstance(table, dict) and table.get('format') == FORMAT and \
@@ -237,6 +295,14 @@ def _parse(step_dir: Path, body: bytes) -> list | dict:
   if not isinstance(parts, list) or not all(isinstance(p, list) for p in parts):
     raise CheckpointError('E-CKPT-012', f'{path}: not a jaxckpt shard table', _DAMAGED)
   return parts
+
+
+def _json(text: str | bytes) -> Any:
+  """`text` parsed; ValueError for what is not JSON, and for JSON nested too deep to parse."""
+  try:
+    return json.loads(text)
+  except RecursionError as e:
+    raise ValueError('nested too deep') from e
 
 
 def _counts(value: Any) -> bool:

@@ -8,7 +8,9 @@ It reads manifest.json and nothing else: no array is loaded and jax is not impor
 in well under a second for any size of model). A manifest that does not match its own checksum is
 printed with a warning at its top and bottom; `jaxckpt verify` is what judges a checkpoint. One
 that names a file outside its checkpoint (`../`) fails the seal even when re-sealed: it is printed
-with that warning, then E-CKPT-005, exit 1.
+with that warning, then E-CKPT-005, exit 1. A field shown here alone that is not what jaxckpt
+writes (a metric that is not a number, a knob without its source) is left out, with a warning
+naming it; a field a restore relies on of the wrong type is the manifest's E-CKPT-004.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import math
 import sys
 import time
 from pathlib import Path, PurePosixPath
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from jaxckpt.checkpoint import discovery, layout, manifest
 from jaxckpt.cli import remote_args
@@ -33,10 +35,67 @@ _ITEMSIZE = {
 }
 
 
+def _number(value: Any) -> bool:
+  return isinstance(value, (int, float))
+
+
+def _anything(value: Any) -> bool:
+  return True
+
+
+def _moment(value: Any) -> bool:
+  try:
+    time.gmtime(value)
+  except (TypeError, ValueError, OverflowError, OSError):
+    return False
+  return True
+
+
+def _map_of(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+  return lambda value: isinstance(value, Mapping) and all(ok(v) for v in value.values())
+
+
+def _list_of(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+  return lambda value: isinstance(value, list) and all(ok(v) for v in value)
+
+
+def _pin(value: Any) -> bool:
+  return isinstance(value, Mapping) and {'path', 'sha256'} <= set(value) and \
+      _number(value.get('size'))
+
+
+def _knob(value: Any) -> bool:
+  return isinstance(value, Mapping) and 'value' in value and isinstance(value.get('source'), str)
+
+
+def _parameter(row: Any) -> bool:
+  return isinstance(row, Mapping) and isinstance(row.get('path'), str) and \
+      isinstance(row.get('dtype'), str) and isinstance(row.get('shape'), list) and \
+      all(type(n) is int and n >= 0 for n in row['shape'])  # pylint: disable=unidiomatic-typecheck
+
+
+# The manifest's fields that only this command reads, each with what it must be to be shown: the
+# manifest's own checks (`manifest.parse`) cover what a restore relies on. A field that is not
+# what it says is named in `malformed` and left out of the text, never a crash of the command.
+_SHOWN: dict[str, Callable[[Any], bool]] = {
+    'committed_at': _moment,
+    'counters': _map_of(_anything),
+    'metrics': _map_of(_number),
+    'init_from': _pin,
+    'versions': _map_of(_anything),
+    'knobs': _map_of(_knob),
+    'config': _map_of(_anything),
+    'sources': _map_of(lambda v: isinstance(v, str)),
+    'optimizer': _map_of(_list_of(lambda v: isinstance(v, str))),
+    'parameters': _list_of(_parameter),
+}
+
+
 def describe(step_dir: Path, m: Mapping[str, Any], raw: bytes | None = None) -> dict[str, Any]:
   """The manifest, plus: its path, each tensor's `trainable`, each parameter's flat offset, and
   with `raw` (the manifest's bytes) whether it matches its own checksum (`manifest_seal`: ok,
-  absent (written before seals) or mismatch, with the problem in `warnings`)."""
+  absent (written before seals) or mismatch, with the problem in `warnings`). A field shown only
+  here that is not what it should be is named in `malformed` (only when one is)."""
   out = {'path': str(step_dir), **m}
   if raw is not None:
     # A name outside the checkpoint fails the seal whatever its checksum says: a hostile writer
@@ -44,7 +103,10 @@ def describe(step_dir: Path, m: Mapping[str, Any], raw: bytes | None = None) -> 
     problem = manifest.check_seal(raw, m) or _outside(m)
     out['manifest_seal'] = 'mismatch' if problem else 'ok' if manifest.SEAL in m else 'absent'
     out['warnings'] = [problem] if problem else []
-  params = m.get('parameters')
+  malformed = [f for f, ok in _SHOWN.items() if m.get(f) is not None and not ok(m[f])]
+  if malformed:
+    out['malformed'] = malformed
+  params = None if 'parameters' in malformed else m.get('parameters')
   trainable = {}
   if params is not None:
     rows, offset = [], 0
@@ -100,7 +162,12 @@ def _warning(problem: str) -> str:
 def render(d: Mapping[str, Any]) -> str:
   """The human-readable form of `describe(...)`."""
   # A damaged manifest's warning opens and closes the output: it must not scroll out of sight.
-  warnings = [_warning(w) for w in d.get('warnings') or []]
+  bad = set(d.get('malformed') or ())
+  warnings = [_warning(w) for w in d.get('warnings') or []] + [
+      f'WARNING: {layout.MANIFEST}: its {f} field is not what jaxckpt writes: not shown'
+      for f in d.get('malformed') or ()
+  ]
+  d = {k: v for k, v in d.items() if k not in bad}  # what is left is shown as it is
   lines = warnings + [
       f'checkpoint  {d["path"]}', f'step        {d.get("step")}' +
       ("  (finished: the run's last step)" if d.get('finished') else '')
@@ -129,7 +196,7 @@ def render(d: Mapping[str, Any]) -> str:
     lines.append('versions    ' + ', '.join(f'{k} {v}' for k, v in d['versions'].items()))
 
   knobs = d.get('knobs')
-  if knobs is None and d.get('config') is not None:  # a manifest from before knob tables
+  if knobs is None and 'knobs' not in bad and d.get('config') is not None:  # before knob tables
     from jaxckpt.records.identity import flatten_config
     knobs = {k: {'value': v, 'source': '?'} for k, v in flatten_config(d['config']).items()}
   if knobs:

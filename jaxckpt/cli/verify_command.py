@@ -7,7 +7,9 @@ Every file of a checkpoint is checked against the manifest (size and CRC-32) and
 against its own checksum; exit 0 when everything is intact, 1 otherwise. It may read a run that
 is still training: a checkpoint being written is skipped, and one that the writer removes or
 replaces while it is read is looked at again, never failed (only damage of a checkpoint that
-stays put fails). See `jaxckpt.checkpoint.discovery`.
+stays put fails). See `jaxckpt.checkpoint.discovery`. A remote checkpoint (a URL) is read whole,
+every byte against its CRC-32: its listing gives no sizes to compare, so `--no-checksums` is
+refused for one (exit 2) rather than reported as a check it is not.
 """
 
 from __future__ import annotations
@@ -36,9 +38,14 @@ def main(argv: list[str]) -> int:
       '--no-checksums',
       dest='checksums',
       action='store_false',
-      help='compare sizes only (fast; misses flipped bits)')
+      help='compare sizes only (fast; misses flipped bits); a local checkpoint or run only')
   args = parser.parse_args(argv)
   if remote_args.is_url(args.path):
+    if not args.checksums:
+      raise UsageError(
+          'E-USAGE-001', f'jaxckpt verify: --no-checksums with the URL {args.path}: a remote '
+          "checkpoint is verified by reading every byte (its objects' sizes are not listed)",
+          'leave out --no-checksums to verify it whole, or verify a local copy sizes only')
     return remote_args.verify(args.path)
   path = Path(args.path)
   if not path.is_dir():
