@@ -7,11 +7,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from jaxckpt.checkpoint import atomic
+from jaxckpt.checkpoint import atomic, layout
 from jaxckpt.checkpoint.remote import objects
 from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser, configure_logging
-from jaxckpt.errors import UsageError
+from jaxckpt.errors import JaxckptError, UsageError
 from jaxckpt.evaluate import Evaluator, read_results, read_results_file
 from jaxckpt.records.provenance import load_config_file
 from jaxckpt.records.workdir import EVALUATED, EvaluatorLock
@@ -56,14 +56,17 @@ def main(argv: list[str]) -> int:
   if remote_args.is_url(args.workdir):
     if args.follow:
       parser.error('--follow watches a local run directory, not a URL')
-    return _evaluate_remote(args)
-  if args.out is not None:
+  elif args.out is not None:
     parser.error(f'--out is for a remote --workdir; the results of a local run are '
                  f'{Path(args.workdir) / EVALUATED}')
-  return _evaluate(Path(args.workdir), args)
+  # Before anything is downloaded or created: a --config that does not load is a usage error.
+  config = None if args.config is None else _config_from_file(args.config)
+  if remote_args.is_url(args.workdir):
+    return _evaluate_remote(args, config)
+  return _evaluate(Path(args.workdir), args, config)
 
 
-def _evaluate_remote(args) -> int:
+def _evaluate_remote(args, config) -> int:
   """Evaluates a downloaded copy of the remote run; its results outlive the copy in --out."""
   run = remote_args.split(args.workdir)[0].rstrip('/')
   out = None if args.out is None else Path(args.out)
@@ -80,7 +83,8 @@ def _evaluate_remote(args) -> int:
       atomic.write_json_durably(local / EVALUATED, earlier)
     try:
       # Progress names the remote checkpoints, not their temporary copies.
-      return _evaluate(local, args, shown=out, say=lambda s: s.replace(f'{local}/', f'{run}/'))
+      return _evaluate(
+          local, args, config, shown=out, say=lambda s: s.replace(f'{local}/', f'{run}/'))
     finally:  # also after a stop or a failure: what was evaluated is kept
       results = read_results(local)
       if out is not None:
@@ -98,16 +102,20 @@ def _evaluate_remote(args) -> int:
             flush=True)
 
 
-def _evaluate(workdir: Path, args, shown: Path | None = None, say=lambda s: s) -> int:
+def _evaluate(workdir: Path, args, config, shown: Path | None = None, say=lambda s: s) -> int:
+  if workdir.exists() and not workdir.is_dir():
+    raise UsageError('E-EVAL-003', f'{workdir} is a file, not a run directory',
+                     'pass the --workdir of a run: the directory that holds its checkpoints/')
   if not workdir.is_dir():
     if not args.follow:
       raise UsageError(
           'E-EVAL-003', f'{workdir} does not exist', 'pass the --workdir of a run '
           '(or --follow to wait for a run to start there)')
-    workdir.mkdir(parents=True, exist_ok=True)
-  config = None
-  if args.config is not None:
-    config = load_config_file(args.config)
+    try:
+      workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file on the way (DIR/loss.jsonl/sub), or no permission
+      raise UsageError('E-EVAL-003', f'{workdir} cannot be created: {e.strerror or e}',
+                       'pass the --workdir of a run, or a directory --follow can create') from None
   configure_logging()
   with EvaluatorLock(workdir):
     ev = Evaluator(
@@ -118,7 +126,6 @@ def _evaluate(workdir: Path, args, shown: Path | None = None, say=lambda s: s) -
     try:
       if args.follow:
         ev.follow(args.poll_secs)
-        print(f'the run in {workdir} is finished; all its checkpoints are evaluated', flush=True)
       else:
         ev.run_once()
     except KeyboardInterrupt:  # what was evaluated is recorded; a restart continues from there
@@ -128,4 +135,38 @@ def _evaluate(workdir: Path, args, shown: Path | None = None, say=lambda s: s) -
           file=sys.stderr,
           flush=True)
       return 130
+    failed = _not_evaluated(ev)
+    found = len(set(layout.committed_steps(ev.mgr.directory)) | set(failed))
+  if failed:  # each was named above, with why; a script sees the failure in the exit status
+    raise JaxckptError(
+        'E-EVAL-006', f'{len(failed)} of {found} committed checkpoint(s) could not be evaluated '
+        f'(step{"s" if len(failed) > 1 else ""} {", ".join(map(str, failed))})',
+        'the "not evaluated" lines above say why; '
+        '`jaxckpt verify` on the run names each damaged file')
+  if args.follow:
+    print(f'the run in {workdir} is finished; all its checkpoints are evaluated', flush=True)
   return 0
+
+
+def _not_evaluated(ev: Evaluator) -> list[int]:
+  """The steps the evaluator found damaged and has no result for (a step a resumed run wrote
+  again and that was evaluated since is not one of them)."""
+  damaged = {step for step, _ in ev._failed}  # pylint: disable=protected-access
+  return sorted(step for step in damaged if str(step) not in ev.results)
+
+
+def _config_from_file(path: str):
+  """A --config file's config, loaded as `jaxckpt export --config` loads one: a file that is
+  missing, a directory, or does not load (a syntax error, no get_config) is E-USAGE-001."""
+  file = Path(path.rsplit(':', 1)[0] if ':' in Path(path).name else path)
+  if file.is_dir():
+    raise UsageError('E-USAGE-001', f'--config={path} is a directory',
+                     'pass a configs/<name>.py file')
+  if not file.is_file():
+    raise UsageError('E-USAGE-001', f'--config={path}: no such file', 'pass a configs/<name>.py')
+  try:
+    return load_config_file(path)
+  except Exception as e:  # whatever the file's own code raises: its message, on one line
+    why = ' '.join(f'{type(e).__name__}: {e}'.split())
+    raise UsageError('E-USAGE-001', f'--config={path} could not be loaded: {why}',
+                     'pass a configs/<name>.py file') from None

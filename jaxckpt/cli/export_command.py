@@ -68,7 +68,9 @@ def _model_config_from_file(path: str):
   """`config.model` of a configs/*.py file, loaded as `python -m jaxckpt.main --config` does."""
   file = Path(path.split(':', 1)[0])
   if not file.is_file():
-    raise UsageError('E-USAGE-001', f'--config={path}: no such file', 'pass a configs/<name>.py')
+    raise UsageError('E-USAGE-001',
+                     f'--config={path}: ' + ('is a directory' if file.is_dir() else 'no such file'),
+                     'pass a configs/<name>.py')
   # Config files import their siblings as `configs.default`: make their package's parent
   # importable even when `jaxckpt` runs as a console script from elsewhere.
   root = str(file.resolve().parent.parent)

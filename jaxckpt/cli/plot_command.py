@@ -12,7 +12,10 @@ def main(argv: list[str]) -> int:
       description='Draw the loss history of a run as a '
       'PNG, with resumes and pivots marked.')
   parser.add_argument('--workdir', required=True)
-  parser.add_argument('--out', help='PNG path (default: WORKDIR/loss.png)')
+  parser.add_argument(
+      '--out',
+      help='the file to write (default: WORKDIR/loss.png); its suffix names the format (.png, '
+      '.pdf, .svg, ...), a name without one gets .png, and a directory gets loss.png in it')
   args = parser.parse_args(argv)
-  print(plot(args.workdir, args.out))
+  print(plot(args.workdir, args.out))  # the path written
   return 0

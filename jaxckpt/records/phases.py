@@ -47,11 +47,22 @@ def write_bandit_mirror(workdir: Path, step: int, snapshot: Mapping[str, Any]) -
 def pivot(workdir: str | os.PathLike) -> tuple[int, list[str]]:
   """Archive the phase's satellites of a stopped run; returns (new phase, archived names)."""
   workdir = Path(workdir)
+  if not workdir.is_dir():
+    what = 'is a file, not a run directory' if workdir.exists() else 'does not exist'
+    raise UsageError('E-PIVOT-001', f'{workdir} {what}', 'pivot a run that has trained and stopped')
   if not (workdir / CHECKPOINTS).is_dir():
     raise UsageError('E-PIVOT-001', f'{workdir} has no checkpoints to pivot from',
                      'pivot a run that has trained and stopped')
   with WorkdirLock(workdir):  # refuses while a trainer runs here
     ending = current_phase(workdir)
+    # Every save writes bandit.json: none (and no samples.json) means the phase has not trained
+    # since the last pivot, or the run never saved. A pivot then would archive nothing and only
+    # count a phase; it is refused before anything is created or recorded.
+    if not any((workdir / name).exists() for name in (SAMPLES, BANDIT)):
+      since = ' since its last pivot' if ending else ''
+      raise UsageError(
+          'E-PIVOT-001', f'{workdir} has nothing to pivot: no {SAMPLES} or {BANDIT} '
+          f'(the run has not trained{since})', 'train the run, then pivot it')
     dest = workdir / ARCHIVE / f'phase-{ending}'
     if dest.exists():
       raise UsageError('E-PIVOT-002', f'{dest} already exists', 'move it away and pivot again')

@@ -1,25 +1,32 @@
-"""`jaxckpt plot --workdir=DIR`: the loss history as a PNG, with resumes and pivots marked."""
+"""`jaxckpt plot --workdir=DIR`: the loss history as a PNG, with resumes and pivots marked.
+
+`--out` names the file, and its suffix the format (any matplotlib writes: `.png`, `.pdf`,
+`.svg`, ...); a name without a suffix gets `.png`, and an existing directory gets `loss.png` in it.
+The file is written atomically: a plot that fails leaves an older file of that name as it was.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from jaxckpt.checkpoint import atomic
 from jaxckpt.errors import UsageError
 from jaxckpt.records.runlog import EVENTS, read_jsonl, read_loss_history
+from jaxckpt.records.workdir import LOSSES
+
+DEFAULT_NAME = 'loss.png'
 
 
 def plot(workdir: str | Path, out: str | Path | None = None) -> Path:
+  """Draws the loss history of `workdir`; returns the path written (see `output_path`)."""
+  workdir = Path(workdir)
+  history = _loss_history(workdir)
+  out = output_path(workdir, out)
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  workdir = Path(workdir)
-  history = read_loss_history(workdir)
-  if not history:
-    raise UsageError('E-PLOT-001', f'{workdir} has no loss history (loss.jsonl)',
-                     'point --workdir at a run that has trained')
   events = read_jsonl(workdir / EVENTS)
-  out = Path(out) if out else workdir / 'loss.png'
   fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
   ax.plot(
       list(history), [r['loss'] for r in history.values()],
@@ -47,6 +54,66 @@ def plot(workdir: str | Path, out: str | Path | None = None) -> Path:
   ax.grid(alpha=0.3)
   ax.legend(loc='upper right')
   fig.tight_layout()
-  fig.savefig(out)
-  plt.close(fig)
+  try:
+    _save(fig, out)
+  finally:
+    plt.close(fig)
   return out
+
+
+def _loss_history(workdir: Path) -> dict:
+  if not workdir.is_dir():
+    what = 'is a file, not a run directory' if workdir.exists() else 'does not exist'
+    raise UsageError('E-PLOT-001', f'{workdir} {what}',
+                     'point --workdir at the directory of a run that has trained')
+  try:
+    history = read_loss_history(workdir)
+  except OSError as e:
+    raise UsageError('E-PLOT-001', f'{workdir / LOSSES} cannot be read: {e.strerror or e}',
+                     'point --workdir at a run you can read') from None
+  if not history:
+    raise UsageError('E-PLOT-001', f'{workdir} has no loss history ({LOSSES})',
+                     'point --workdir at a run that has trained')
+  return history
+
+
+def formats() -> list[str]:
+  """The suffixes (without the dot) matplotlib can write."""
+  from matplotlib.backend_bases import FigureCanvasBase
+  return sorted(FigureCanvasBase.get_supported_filetypes())
+
+
+def output_path(workdir: Path, out: str | Path | None) -> Path:
+  """The file `plot` writes: `--out` as given; with `.png` added when it has no suffix;
+  `out/loss.png` when it is a directory; `WORKDIR/loss.png` without one. Refuses (E-PLOT-002)
+  a suffix matplotlib cannot write and a file whose directory is missing or not a directory."""
+  path = workdir / DEFAULT_NAME if not out else Path(out)
+  if path.is_dir():
+    path = path / DEFAULT_NAME
+  elif not path.suffix:
+    path = path.with_name(f'{path.name}.png')
+  known = formats()
+  if path.suffix[1:].lower() not in known:
+    raise UsageError('E-PLOT-002', f'--out={out}: matplotlib cannot write {path.suffix} files',
+                     f'end --out with one of .{", .".join(known)} (or with no suffix, for .png)')
+  parent = path.parent
+  if not parent.is_dir():
+    what = f'{parent} is a file, not a directory' if parent.exists() else (
+        f'its directory {parent} does not exist')
+    raise UsageError('E-PLOT-002', f'--out={path}: {what}',
+                     'create that directory, or pass an --out in an existing one')
+  return path
+
+
+def _save(fig, path: Path) -> None:
+  """`fig` as `path`, in the format its suffix names, whole or not at all."""
+  try:
+    with atomic.atomic_file(path) as tmp:
+      fig.savefig(tmp, format=path.suffix[1:].lower())
+  except OSError as e:
+    raise UsageError('E-PLOT-002', f'{path} cannot be written: {e.strerror or e}',
+                     'pass an --out in a directory you can write') from None
+  except (RuntimeError, ValueError) as e:  # a format whose backend needs more (pgf: a TeX)
+    why = ' '.join(f'{type(e).__name__}: {e}'.split())
+    raise UsageError('E-PLOT-002', f'{path} could not be written as {path.suffix}: {why}',
+                     'pass an --out ending in .png') from None

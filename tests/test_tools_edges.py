@@ -1,0 +1,153 @@
+"""The edges of `jaxckpt plot`, `pivot` and `evaluate`: a path that is a file, a directory, missing
+or read-only, a config that does not load, a second pivot, damaged checkpoints. Each refusal is
+one line with its code and the right exit status, and leaves the run's files as they were."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import REPO, call_cli, events_of, flip_a_data_byte, jaxckpt_cli
+
+from jaxckpt.checkpoint import layout
+
+PNG = b'\x89PNG\r\n\x1a\n'
+
+
+@pytest.fixture(scope='module')
+def run(trainer, tmp_path_factory) -> Path:
+  """A stopped tiny run with checkpoints at steps 10 and 20. Read it only: a test that changes a
+  run works on a copy (`copy_of`)."""
+  workdir = tmp_path_factory.mktemp('edges') / 'run'
+  r = trainer.train(workdir, '--config.train.steps=20', '--checkpoint_every=10',
+                    '--config.train.log_every=10')
+  assert r.returncode == 0, r.stderr
+  return workdir
+
+
+def copy_of(run: Path, tmp_path: Path) -> Path:
+  return Path(shutil.copytree(run, tmp_path / 'run'))
+
+
+def listing(root: Path) -> dict[str, bytes]:
+  """Every file under `root` and its content."""
+  return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob('*')) if p.is_file()}
+
+
+def one_line(code, err: str, expected_code: str, exit_status: int = 2) -> str:
+  assert code == exit_status, err
+  assert 'Traceback' not in err
+  assert err.startswith(f'jaxckpt: {expected_code}: ') and err.count('\n') == 1, err
+  return err
+
+
+# -------------------------------------------------------------------------------------- plot
+@pytest.mark.parametrize('case', ['missing directory', 'under a file', 'jsonl', 'read-only'])
+def test_plot_refuses_an_out_it_cannot_write(run, tmp_path, capsys, case):
+  out = {
+      'missing directory': tmp_path / 'nodir' / 'sub' / 'x.png',
+      'under a file': run / 'loss.jsonl' / 'x.png',
+      'jsonl': run / 'loss.jsonl',
+      'read-only': Path('/sys/loss.png'),  # sysfs: no new file there, not even for root
+  }[case]
+  if case == 'read-only' and not Path('/sys').is_dir():
+    pytest.skip('no /sys here')
+  before, scratch = listing(run), sorted(os.listdir(tmp_path))
+  code, stdout, err = call_cli(['plot', f'--workdir={run}', f'--out={out}'], capsys)
+  line = one_line(code, err, 'E-PLOT-002')
+  assert not stdout and str(out) in line
+  if case == 'jsonl':
+    assert '.png' in line and '.pdf' in line  # the suffixes it can write
+  assert listing(run) == before and sorted(os.listdir(tmp_path)) == scratch
+
+
+def test_plot_refuses_a_workdir_that_is_a_file(run, capsys):
+  code, stdout, err = call_cli(['plot', f'--workdir={run / "loss.jsonl"}'], capsys)
+  line = one_line(code, err, 'E-PLOT-001')
+  assert not stdout and f'{run / "loss.jsonl"} is a file, not a run directory' in line
+
+
+@pytest.mark.parametrize('out, written', [('myplot', 'myplot.png'), ('plots', 'plots/loss.png'),
+                                          ('loss.svg', 'loss.svg')])
+def test_plot_prints_the_path_it_wrote(run, tmp_path, capsys, out, written):
+  (tmp_path / 'plots').mkdir()
+  code, stdout, err = call_cli(['plot', f'--workdir={run}', f'--out={tmp_path / out}'], capsys)
+  assert code == 0, err
+  assert stdout == f'{tmp_path / written}\n'
+  content = (tmp_path / written).read_bytes()
+  assert content.startswith(PNG) if written.endswith('.png') else b'<svg' in content[:1000]
+  assert sorted(os.listdir(tmp_path)) == sorted({'plots', written.split('/')[0]})
+
+
+# ------------------------------------------------------------------------------------- pivot
+def test_a_second_pivot_in_a_row_is_refused_and_records_nothing(run, tmp_path, capsys):
+  workdir = copy_of(run, tmp_path)
+  code, stdout, err = call_cli(['pivot', f'--workdir={workdir}'], capsys)
+  assert code == 0 and 'archived samples.json, bandit.json to archive/phase-0/' in stdout, err
+  before = listing(workdir)
+  code, stdout, err = call_cli(['pivot', f'--workdir={workdir}'], capsys)
+  line = one_line(code, err, 'E-PIVOT-001')
+  assert not stdout and 'nothing to pivot' in line
+  assert os.listdir(workdir / 'archive') == ['phase-0']
+  assert [e['phase'] for e in events_of(workdir, 'pivot')] == [1]
+  assert listing(workdir) == before
+
+
+# ---------------------------------------------------------------------------------- evaluate
+@pytest.mark.parametrize('case, says', [('missing', 'no such file'),
+                                        ('directory', 'is a directory'),
+                                        ('syntax error', 'SyntaxError')])
+@pytest.mark.parametrize('follow', [[], ['--follow']])
+def test_evaluate_refuses_a_config_that_does_not_load(run, tmp_path, capsys, case, says, follow):
+  config = {
+      'missing': tmp_path / 'nope.py',
+      'directory': REPO / 'configs',
+      'syntax error': tmp_path / 'broken.py',
+  }[case]
+  (tmp_path / 'broken.py').write_text('def get_config(:\n')
+  workdir = run if not follow else tmp_path / 'not-yet'  # --follow would create it
+  code, stdout, err = call_cli(['evaluate', f'--workdir={workdir}', f'--config={config}', *follow],
+                               capsys)
+  line = one_line(code, err, 'E-USAGE-001')
+  assert not stdout and f'--config={config}' in line and says in line
+  assert not (run / 'evaluated.json').exists() and not (tmp_path / 'not-yet').exists()
+
+
+@pytest.mark.parametrize('follow', [[], ['--follow']])
+def test_evaluate_says_a_workdir_that_is_a_file_is_one(run, capsys, follow):
+  before = (run / 'loss.jsonl').read_bytes()
+  code, stdout, err = call_cli(['evaluate', f'--workdir={run / "loss.jsonl"}', *follow], capsys)
+  line = one_line(code, err, 'E-EVAL-003')
+  assert not stdout and f'{run / "loss.jsonl"} is a file, not a run directory' in line
+  assert (run / 'loss.jsonl').read_bytes() == before
+
+
+def _damage(workdir: Path, *steps: int) -> None:
+  for step in steps:
+    flip_a_data_byte(workdir / 'checkpoints' / layout.step_dirname(step))
+
+
+def test_evaluate_fails_when_no_checkpoint_could_be_evaluated(run, tmp_path, compile_cache):
+  workdir = copy_of(run, tmp_path)
+  _damage(workdir, 10, 20)
+  r = jaxckpt_cli('evaluate', f'--workdir={workdir}', cache=compile_cache, timeout=300)
+  assert r.returncode == 1, r.stdout + r.stderr
+  lines = r.stderr.strip().splitlines()
+  assert 'Traceback' not in r.stderr
+  assert [l.split(': ')[1] for l in lines if ': not evaluated: ' in l] == ['step 10', 'step 20']
+  assert lines[-1].startswith('jaxckpt: E-EVAL-006: 2 of 2 committed checkpoint(s) could not be '
+                              'evaluated (steps 10, 20)'), lines[-1]
+  assert not (workdir / 'evaluated.json').exists()
+
+
+def test_evaluate_fails_when_some_checkpoints_could_not_be_evaluated(run, tmp_path, compile_cache):
+  workdir = copy_of(run, tmp_path)
+  _damage(workdir, 10)
+  for _ in range(2):  # still damaged the second time: still a failure, 20 not evaluated again
+    r = jaxckpt_cli('evaluate', f'--workdir={workdir}', cache=compile_cache, timeout=300)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(
+        'jaxckpt: E-EVAL-006: 1 of 2 committed checkpoint(s) could not be evaluated (step 10)')
+    assert list(json.loads((workdir / 'evaluated.json').read_text())) == ['20']
+  assert 'step 20: heldout_loss' not in r.stdout
