@@ -92,35 +92,62 @@ def pins(records: Mapping[int, Mapping[str, Any] | None]) -> dict[int, list[str]
 
   `records` maps each committed step to the two fields of its manifest that matter here,
   `{'retention': ..., 'metrics': ...}` (`manifest_fields`), or to None when its manifest cannot
-  be read: such a step may be kept, so it is treated as kept (`UNREADABLE`). A `best` record
-  counts while the step is among its `among` lowest `metric` of the steps whose records name
-  the same metric (ties: the earlier step); a step without a finite value is never best.
+  be read: such a step may be kept, so it is treated as kept (`UNREADABLE`), as is one whose
+  fields are not of the types a writer gives them (`malformed`: a manifest is read from disks
+  and buckets, and doubt never deletes). A `best` record counts while the step is among its
+  `among` lowest `metric` of the steps whose records name the same metric (ties: the earlier
+  step); a step without a finite value is never best.
   """
   out: dict[int, list[str]] = {}
   contenders: dict[str, list[tuple[float, int]]] = {}
   for step, fields in records.items():
-    if fields is None:
+    if fields is None or malformed(fields):
       out[step] = [UNREADABLE]
       continue
     record = fields.get(RECORD) or {}
-    if not isinstance(record, Mapping):
-      continue
-    kept = [r for r in record.get('kept') or () if isinstance(r, str)]
+    kept = list(record.get('kept') or ())
     if kept:
       out[step] = kept
     best = record.get(BEST)
-    if isinstance(best, Mapping) and isinstance(best.get('metric'), str):
+    if best is not None:
       value = (fields.get('metrics') or {}).get(best['metric'])
       if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value:
         contenders.setdefault(best['metric'], []).append((float(value), step))
   for scored in contenders.values():
     for rank, (_, step) in enumerate(sorted(scored)):
-      among = (records[step] or {})[RECORD][BEST].get('among', 0)
-      if isinstance(among, int) and rank < among:
+      if rank < (records[step] or {})[RECORD][BEST].get('among', 0):
         out.setdefault(step, []).append(BEST)
   return dict(sorted(out.items()))
 
 
-def manifest_fields(m: Mapping[str, Any]) -> dict[str, Any]:
-  """What `pins` reads of a manifest."""
-  return {RECORD: m.get(RECORD), 'metrics': m.get('metrics')}
+def malformed(fields: Any) -> str | None:
+  """Why `manifest_fields` `fields` are not of the types `RetentionPolicy.record` and a writer's
+  metrics give them (None: they are): `retention` an object or absent, its `kept` a list of
+  reasons, its `best` {metric: name, among: count}; `metrics` an object or absent."""
+  if not isinstance(fields, Mapping):
+    return 'not an object'
+  record, metrics = fields.get(RECORD), fields.get('metrics')
+  if metrics is not None and not isinstance(metrics, Mapping):
+    return f'metrics is {type(metrics).__name__}, not an object'
+  if record is None:
+    return None
+  if not isinstance(record, Mapping):
+    return f'{RECORD} is {type(record).__name__}, not an object'
+  kept = record.get('kept')
+  if kept is not None and (not isinstance(kept, list) or not all(isinstance(r, str) for r in kept)):
+    return f'{RECORD}.kept is not a list of reasons'
+  best = record.get(BEST)
+  if best is None:
+    return None
+  among = best.get('among', 0) if isinstance(best, Mapping) else None
+  if not isinstance(best, Mapping) or not isinstance(best.get('metric'), str) or \
+      type(among) is not int or among < 0:  # pylint: disable=unidiomatic-typecheck
+    return f'{RECORD}.{BEST} is not {{"metric": <name>, "among": <count>}}'
+  return None
+
+
+def manifest_fields(m: Mapping[str, Any]) -> dict[str, Any] | None:
+  """What `pins` reads of a manifest; None when it is `malformed` (read as kept, like a manifest
+  that cannot be read)."""
+  fields = {RECORD: m.get(RECORD), 'metrics': m.get('metrics')}
+  return None if malformed(fields) else fields

@@ -26,6 +26,9 @@ _ACCESS = {
                'grant them list and read access to the bucket, or check {credentials}'),
     'unreachable': ('E-STORE-005', 'the storage endpoint {endpoint} cannot be reached',
                     'check {endpoint_var} and the network'),
+    'slow_down': ('E-STORE-015', 'the store kept answering HTTP 503 or 429 (slow down)',
+                  'run it again later, or send fewer requests: --remote_rate=auto, or a lower '
+                  'number'),
     'failed': ('E-STORE-008', 'the store failed', 'check --remote and the store'),
 }
 # The permission a probe stage needs, by scheme, for E-STORE-004.
@@ -99,7 +102,7 @@ def _access_error(store: Store, stage: str, e: StoreError) -> UsageError:
                    'gcloud auth application-default login)')
   else:
     endpoint_var, endpoint, credentials = 'the mount', store.prefix, 'the permissions of the path'
-  code, what, fix = _ACCESS[e.kind]
+  code, what, fix = _ACCESS.get(e.kind) or _ACCESS['failed']  # a kind without its own line
   refused = e.kind == 'denied' or store.scheme == 'file' and e.kind == 'credentials'
   if refused and (stage != 'list' or store.scheme == 'file'):
     permission = _PERMISSION.get(store.scheme, {}).get(stage, f'{stage} access')

@@ -17,6 +17,10 @@ of either tier, before the workdir's records are opened (a download replaces the
   events when it continues them byte for byte with well-formed records (`later_events`): how the
   start that wrote it ended reaches the next machine even when the start's last checkpoint did
   not get up in time. A long run sends what its last start appended, not its whole history.
+  An object that does not continue them so (another history's, cut short, a line that is no
+  record or is nested too deeply to parse) is passed over: the checkpoint's own events are taken.
+- The records are written into the workdir before the downloaded checkpoint is published: a
+  start that fails between the two downloads it again, never finds it without its records.
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ def fetch_step(run,
                records: bool = True,
                meanwhile: Callable[[], Any] | None = None) -> Path:
   """Downloads remote step `step` into `ckpt_dir` (replacing a local copy of it) and, with
-  `records`, the run's records of that step into the workdir; sets `run.fetched`.
+  `records`, the run's records of that step into the workdir, written before the checkpoint is
+  published (`objects.download`'s `before_publish`); sets `run.fetched`.
 
   With `meanwhile`, the download runs on a thread of its own (`jaxckpt-fetch`: the store's
   requests, the disk) while `meanwhile()` runs on this one: a fresh machine compiles its first
@@ -123,14 +128,26 @@ def fetch_step(run,
   logging.info('fetching step %d from %s (the newest intact checkpoint%s)%s', step, run.store.url,
                f'; local has {local_step}' if local_step is not None else '',
                ' while the train step compiles' if meanwhile is not None else '')
-  progress = _Progress(step)
+  progress, took = _Progress(step), [([], 0)]
+
+  def records_first(got: dict[str, bytes]) -> None:
+    # Before the checkpoint is published: a start that finds it published never downloads it
+    # again, so its records would never come if they failed to go in after it.
+    if records:
+      took[0] = take_records(run, step, got)
+
   download = lambda: objects.download(
-      run.store, step, ckpt_dir, progress=progress, on_plan=progress.plan)
+      run.store,
+      step,
+      ckpt_dir,
+      progress=progress,
+      on_plan=progress.plan,
+      before_publish=records_first)
   if meanwhile is None:
-    path, got = download()
+    path, _ = download()
   else:
-    path, got = _beside(download, meanwhile, progress, f'step {step} from {run.store.url}')
-  taken, added = take_records(run, step, got) if records else ([], 0)
+    path, _ = _beside(download, meanwhile, progress, f'step {step} from {run.store.url}')
+  taken, added = took[0]
   run.fetched = fetched(run, step, sum(p.stat().st_size for p in path.rglob('*') if p.is_file()),
                         time.monotonic() - t0, taken, added)
   logging.info('fetched step %d: %.1f MB in %.1f s', step, run.fetched['bytes'] / 1e6,
@@ -259,7 +276,7 @@ def later_events(store, events: bytes) -> bytes | None:
   tail = data[len(events):]
   try:
     rows = [json.loads(line) for line in tail.splitlines()]
-  except ValueError:
+  except (ValueError, RecursionError):  # RecursionError: a line nested too deeply to parse
     rows = []
   if not tail.endswith(b'\n') or not rows or not all(
       isinstance(r, dict) and isinstance(r.get('event'), str) for r in rows):

@@ -21,6 +21,14 @@ Staleness is judged with the taker's clock against the holder's `renewed_at`: ke
 skew between machines well under the margin. A lease naming this host, this boot and pid
 namespace and a process that is no longer running is taken over at once (a restart after a
 crash), not waited for.
+
+The lease is read from the bucket, so it is checked before it is believed (`_parse`): at most
+MAX_LEASE_BYTES, a JSON object whose times are finite numbers of seconds since 1970, none more
+than MAX_AHEAD_SECS ahead of this machine's clock, a `ttl_secs` in (0, MAX_TTL_SECS] and a whole
+`pid`. One that is not is damaged: no holder of this version writes it, but one might still
+renew over it, so it is taken over only once it has stayed unchanged for this taker's TTL (or
+the one it names, when that is in range): a live holder renews within a third of that. One
+rewritten meanwhile, still damaged, is refused (E-STORE-006), naming what is wrong with it.
 """
 
 from __future__ import annotations
@@ -35,11 +43,14 @@ import time
 import uuid
 from typing import Any, Callable
 
-from ..errors import CheckpointError
+from ..errors import ArgumentError, CheckpointError
+from .checks import MAX_LEASE_BYTES, loads, read_small
 from .store import PACE_SECS, Store, StoreError, paced
 
 LEASE = paced('LEASE')  # written at most once a second per process (`Lease` may ask less)
 MIN_RENEW_SECS = 1.0  # a renewal not forced is skipped within this of the last
+MAX_TTL_SECS = 86400.0  # the longest TTL a lease may have (`--remote_lease_secs`): a day
+MAX_AHEAD_SECS = 300.0  # a lease's times may be this far ahead of the reader's clock, no more
 
 
 def margin_secs(ttl: float) -> float:
@@ -57,9 +68,13 @@ class LeaseError(CheckpointError):
 
 
 def describe(holder: dict[str, Any]) -> str:
+  """The holder `holder` (a lease `_parse` accepted) in a few words."""
   age = _age(holder)
-  return (f'{holder.get("host", "?")} pid {holder.get("pid", "?")} (started '
-          f'{time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(holder.get("started_at", 0)))} UTC, '
+  try:
+    started = time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(holder.get('started_at', 0)))
+  except (TypeError, ValueError, OverflowError, OSError):
+    started = '?'
+  return (f'{holder.get("host", "?")} pid {holder.get("pid", "?")} (started {started}, '
           f'renewed {age:.0f} s ago)')
 
 
@@ -74,6 +89,10 @@ class Lease:
                ttl_secs: float = 60.0,
                on_lost: Callable[[dict[str, Any] | None], None] = lambda holder: None):
     self.store, self.ttl = store, float(ttl_secs)
+    if not 0 < self.ttl <= MAX_TTL_SECS:  # another taker would read its lease as damaged
+      raise ArgumentError(
+          'E-CONFIG-004', f'a lease TTL of {self.ttl:g} s is not within '
+          f'(0, {MAX_TTL_SECS:.0f}]', 'set --remote_lease_secs to seconds, e.g. 60')
     self.margin = margin_secs(self.ttl)
     paced(LEASE, min(PACE_SECS, self.margin / 2))  # under 1 s only for TTLs under 4 s (tests)
     self.request_secs = max(self.margin, 2.0)  # the longest a lease request is waited for
@@ -133,14 +152,30 @@ class Lease:
 
     A holder that has missed a renewal (silent for over half its TTL: the VM this one replaces,
     most likely) is waited for until its lease is stale, then taken over; one that renews in the
-    meantime is alive, and refused. One on this host whose process is gone is taken over now."""
-    waited, previous = False, None
+    meantime is alive, and refused. One on this host whose process is gone is taken over now.
+    A damaged one (see the module doc) is taken over once unchanged for a TTL, else refused."""
+    waited, previous, damaged = False, None, None
     for _ in range(4):  # another taker can win a race between our read and our write
-      raw, generation = self.store.read_generation(LEASE)
-      holder = _parse(raw)
+      raw, generation = _read(self.store)
+      holder, why = _parse_why(raw)
       if self._adopt(raw, generation):  # our write went through, its answer did not
         return previous
-      if raw is not None and holder is not None and not self._stale(holder):
+      if why is not None:
+        if damaged is None:  # taken over only if no one rewrites it for a TTL
+          damaged, wait = generation, self._damaged_wait(raw)
+          logging.warning(
+              'the lease on %s is damaged (%s): taking it over unless it is rewritten '
+              'within %.0f s', self.store.url, why, wait)
+          time.sleep(wait)
+          continue
+        if damaged != generation:
+          raise LeaseError(
+              'E-STORE-006', f'{self.store.join(LEASE)} is damaged ({why}) and was rewritten '
+              'while this trainer waited to take it over: another trainer may hold it',
+              'stop any other trainer on this --remote prefix and delete the LEASE object, or '
+              'give this run another --remote prefix')
+        holder = {'host': '?', 'damaged': why}  # unchanged for a TTL: taken over below
+      elif raw is not None and holder is not None and not self._stale(holder):
         ttl, age = float(holder.get('ttl_secs', self.ttl)), _age(holder)
         if self._gone(holder):
           logging.warning(
@@ -166,6 +201,15 @@ class Lease:
         return previous
     raise LeaseError('E-STORE-006', f'{self.store.url}: another trainer keeps taking the lease',
                      'run one trainer per --remote prefix')
+
+  def _damaged_wait(self, raw: bytes | None) -> float:
+    """How long a damaged lease must stay unchanged before it is taken over: this taker's TTL,
+    or the one it names when that is a TTL a holder could have (a live one renews within a
+    third of it)."""
+    body = loads(raw) if raw != _TOO_LARGE else None
+    ttl = body.get('ttl_secs') if isinstance(body, dict) else None
+    named = ttl if _number(ttl) and 0 < ttl <= MAX_TTL_SECS else 0.0
+    return max(self.ttl, named) + 0.1
 
   def _stale(self, holder: dict[str, Any]) -> bool:
     return _age(holder) > float(holder.get('ttl_secs', self.ttl))
@@ -208,7 +252,7 @@ class Lease:
         if new is not None:
           self._held(new, t0)
           return
-        raw, generation = self.store.read_generation(LEASE, timeout=self.request_secs)
+        raw, generation = _read(self.store, timeout=self.request_secs)
         if not self._adopt(raw, generation):
           if self._stop.is_set():
             return  # released meanwhile: the lease was given back, not lost
@@ -306,7 +350,7 @@ class Lease:
         return
       if self.store.replace(LEASE, None, generation, timeout=left()):
         return
-      raw, now = self.store.read_generation(LEASE, timeout=left())
+      raw, now = _read(self.store, timeout=left())
       mine = raw is not None and (_parse(raw) or {}).get('id') == self.me['id']
       if mine and time.monotonic() < until:
         self.store.replace(LEASE, None, now, timeout=left())
@@ -318,20 +362,49 @@ def _age(holder: dict[str, Any]) -> float:
   return time.time() - float(holder.get('renewed_at', 0))
 
 
+_TOO_LARGE = b'\0'  # `_read`'s body of a lease over MAX_LEASE_BYTES: never JSON
+
+
+def _read(store: Store, *, timeout: float | None = None) -> tuple[bytes | None, bytes]:
+  """(the lease's bytes, or None when there is none; its generation), read only up to
+  MAX_LEASE_BYTES: a larger one reads as `_TOO_LARGE`, which `_parse_why` calls damaged."""
+  raw, generation, large = read_small(store, LEASE, MAX_LEASE_BYTES, timeout=timeout)
+  return (_TOO_LARGE if large else raw), generation
+
+
+def _number(value: Any) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _parse(raw: bytes | None) -> dict[str, Any] | None:
-  try:
-    holder = json.loads(raw) if raw else None
-  except ValueError:
-    return None
+  return _parse_why(raw)[0]
+
+
+def _parse_why(raw: bytes | None) -> tuple[dict[str, Any] | None, str | None]:
+  """(the holder `raw` names, or None; why `raw` is a damaged lease, or None when it is none).
+  From the bucket: a lease whose times are not finite numbers in range is no lease a holder
+  of this version writes (a NaN `renewed_at` would never go stale, a huge `ttl_secs` would be
+  waited for as long as it says)."""
+  if raw is None:
+    return None, None
+  if raw == _TOO_LARGE:
+    return None, f'larger than {MAX_LEASE_BYTES} bytes'
+  holder = loads(raw)
   if not isinstance(holder, dict):
-    return None
-  # From the bucket: a body whose times or pid are not numbers is no lease anyone holds.
-  numbers = [holder.get(k, 0) for k in ('renewed_at', 'ttl_secs', 'started_at')]
-  if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in numbers):
-    return None
-  if not isinstance(holder.get('pid', 0), int):
-    return None
-  return holder
+    return None, 'not a JSON object'
+  latest = time.time() + MAX_AHEAD_SECS
+  for k in ('renewed_at', 'started_at'):
+    v = holder.get(k, 0)
+    if not _number(v) or not 0 <= v <= latest:
+      return None, (f'{k} {v!r:.40} is not a time since 1970 at most {MAX_AHEAD_SECS:.0f} s '
+                    "ahead of this machine's clock")
+  ttl = holder.get('ttl_secs', 1.0)
+  if not _number(ttl) or not 0 < ttl <= MAX_TTL_SECS:
+    return None, f'ttl_secs {ttl!r:.40} is not within (0, {MAX_TTL_SECS:.0f}]'
+  pid = holder.get('pid', 0)
+  if type(pid) is not int or pid < 0:  # pylint: disable=unidiomatic-typecheck
+    return None, f'pid {pid!r:.40} is not a process id'
+  return holder, None
 
 
 def _boot_id() -> str:
@@ -361,5 +434,6 @@ def _pid_start(pid: int) -> int | None:
 
 
 def read(store: Store) -> dict[str, Any] | None:
-  """The current holder of `store`'s lease, if any (for `jaxckpt inspect`)."""
-  return _parse(store.read(LEASE))
+  """The current holder of `store`'s lease, if any (for `jaxckpt inspect`): None when there is
+  none, or it is damaged."""
+  return _parse(_read(store)[0])

@@ -37,6 +37,7 @@ from ..checksum import crc32
 from ..errors import CheckpointError
 from .bounds import meta_problems, read_manifest, read_prefix, start_read
 from .bounds import short as read_was_short
+from .checks import MAX_META_BYTES, loads, manifest_problems, read_small
 from .lease import LeaseError
 from .segments import SEGMENTS, Appended, Segments, entry
 from .segments import listed as listed_segments
@@ -83,15 +84,25 @@ def object_key(store: Store, step: int, rel: str) -> str:
 
 def _read_meta(store: Store, step: int) -> tuple[dict[str, Any] | None, bytes]:
   """(the step's `remote.json`, or None when absent or not ours; its generation)."""
-  raw, generation = store.read_generation(step_prefix(step) + REMOTE_META)
-  try:
-    meta = json.loads(raw) if raw else None
-  except ValueError:
-    meta = None
-  if not isinstance(meta, dict) or (meta.get('attempt') is not None
-                                    and not _ATTEMPT.match(str(meta['attempt']))):
-    meta = None  # a name from the bucket that is not one of ours is never a path to follow
+  meta, generation, _ = _meta(store, step)
   return meta, generation
+
+
+def _meta(store: Store, step: int) -> tuple[dict[str, Any] | None, bytes, str | None]:
+  """`_read_meta`, and why a `remote.json` that is there is not one to use (None: absent, or
+  usable). Read only up to MAX_META_BYTES."""
+  raw, generation, large = read_small(store, step_prefix(step) + REMOTE_META, MAX_META_BYTES)
+  if large:
+    return None, generation, f'larger than {MAX_META_BYTES} bytes'
+  meta = loads(raw)
+  if raw is None:
+    return None, generation, None
+  if not isinstance(meta, dict):
+    return None, generation, 'not a JSON object (or nested too deeply to read)'
+  if meta.get('attempt') is not None and not _ATTEMPT.match(str(meta['attempt'])):
+    # A name from the bucket that is not one of ours is never a path to follow.
+    return None, generation, f'names the attempt {str(meta["attempt"])!r:.40}, not a name of ours'
+  return meta, generation, None
 
 
 def holds(store: Store, step_dir: Path) -> bool:
@@ -204,7 +215,7 @@ def steps(store: Store) -> tuple[dict[int, list[str]], list[int]]:
   for key in store.list(CHECKPOINTS + '/'):
     parts = key.split('/', 2)
     step = layout.parse_step(parts[1]) if len(parts) == 3 else None
-    if step is not None:
+    if step is not None and parts[1] == layout.step_dirname(step):  # never two folders for one
       by_step.setdefault(step, []).append(parts[2])
   done = {s: keys for s, keys in sorted(by_step.items()) if _committed(keys)}
   return done, sorted(set(by_step) - set(done))
@@ -230,7 +241,9 @@ def inspect(
   prefix = step_prefix(step)
   where = store.join(prefix.rstrip('/'))
   keys = [k[len(prefix):] for k in store.list(prefix)] if keys is None else keys
-  meta, _ = _read_meta(store, step)
+  meta, _, why = _meta(store, step)
+  if why is not None:
+    return None, None, None, [f'{REMOTE_META}: {why}']
   data = data_prefix(step, meta)
   raw = read_manifest(store, data + layout.MANIFEST, meta)  # no more than it says
   if raw is None:
@@ -239,7 +252,10 @@ def inspect(
     m = manifest.parse(Path(where), raw)
   except CheckpointError as e:
     return raw, None, None, [str(e)]
+  except RecursionError:
+    return raw, None, None, [f'{where}/manifest.json: nested too deeply to read']
   problems = [p for p in (manifest.check_seal(raw, m),) if p]
+  problems += manifest_problems(step, m)  # its step and names: from the bucket too
   if meta is None or 'part_bytes' not in meta:
     return raw, m, None, problems + [f'{REMOTE_META}: missing or malformed']
   if untrusted := meta_problems(meta, m, len(keys)):  # names and sizes from the bucket
@@ -293,14 +309,18 @@ def download(
     parallel: int = PARALLEL,
     progress: Callable[[int, int], None] = lambda done, total: None,
     only: Collection[str] | None = None,
-    on_plan: Callable[[int, int], None] = lambda total, part_bytes: None
+    on_plan: Callable[[int, int], None] = lambda total, part_bytes: None,
+    before_publish: Callable[[dict[str, bytes]], None] = lambda records: None
 ) -> tuple[Path, dict[str, bytes]]:
   """Downloads remote checkpoint `step` into `ckpt_root/step_<n>` (published with its manifest
   last, like a local commit) and returns (that directory, {record name: bytes}). Every byte is
   checked against the manifest's CRC-32 while it is read: a mismatch raises E-STORE-012 and
   leaves nothing behind. `only`: the files under `state/` to fetch (the others stay absent, as
   other processes' parts on each host's own disk); its run state and shard table always come.
-  `progress(done, total)` after each part; `on_plan(total, part_bytes)` once, before the first."""
+  `progress(done, total)` after each part; `on_plan(total, part_bytes)` once, before the first.
+  `before_publish(records)` once every byte is checked, before the checkpoint is published: what
+  must be in place before the checkpoint is (the run's records: a start that finds the checkpoint
+  published never downloads it again); if it raises, nothing is published."""
   raw, m, meta, problems = inspect(store, step)
   where = store.join(step_prefix(step).rstrip('/'))
   if problems:
@@ -339,6 +359,7 @@ def download(
         raise CheckpointError('E-STORE-012', f'{where}: does not match {REMOTE_META}',
                               'take an older remote checkpoint')
       records[name] = data
+    before_publish(records)
     for dirpath, _, _ in os.walk(tmp):
       atomic.fsync_dir(Path(dirpath))
     atomic.write_file_durably(tmp / layout.MANIFEST, raw)

@@ -7,6 +7,11 @@ process has said its part of that step is there. Every process writes under the 
 process 0 chose (`name_attempt`, `attempt`): the parts of a job that lost the prefix land where
 no commit of the job that holds it points. A process whose upload fails says why, and
 tries again; process 0 goes on waiting, unless a newer checkpoint is due first (`Superseded`).
+A process that has not begun its part of the step, nor said anything of it, PART_SILENCE_SECS
+after process 0 began waiting is named (E-DIST-002: the uploader's error in `status.json`, an
+`upload_failed` event), and process 0 goes on waiting. One that has begun says nothing until its
+part is up (a large part takes minutes); each of its requests is bounded, and a failure is a
+word.
 When process 0 loses the lease, its word stops every process's uploads (`stop`).
 """
 
@@ -24,6 +29,7 @@ from .pacing import share
 _PART = re.compile(rf'^{layout.STATE_DIR}/process_(\d+)\.safetensors$')
 OK = 'ok'
 ATTEMPT_WAIT_SECS = 30.0  # a process other than 0 waits this long for the attempt's name, a try
+PART_SILENCE_SECS = 300.0  # process 0 names a process that has not begun its part in this long
 
 
 class Superseded(Exception):
@@ -92,12 +98,17 @@ class Parts:
            closing: Callable[[], bool],
            newer: Callable[[], bool],
            on_problem: Callable[[str], None] = lambda line: None,
-           every: float = 0.2) -> None:
+           every: float = 0.2,
+           silence: float = PART_SILENCE_SECS) -> None:
     """Process 0: returns once every other process said its part of `step` is there. Raises
     `Superseded` when `closing()`, or when `newer()` (a newer checkpoint is due) and a process
     that has not sent its part has moved on to a newer step: it never will. `on_problem(line)`
-    hears each new failure one reports."""
+    hears each new failure one reports, and names the processes that have neither begun their
+    part nor said anything of it for `silence` seconds (once each, until they do)."""
     heard: set[tuple[int, str]] = set()
+    last: dict[int, tuple[tuple[str | None, int], float]] = {}  # k: (its word, busy step), since
+    busy: dict[int, int] = {}
+    looked = -float('inf')
     while True:
       words = self._words(step)
       missing = [k for k in range(1, self.count) if words.get(k) != OK]
@@ -107,17 +118,40 @@ class Parts:
         if word != OK and (k, word) not in heard:
           heard.add((k, word))
           on_problem(f'process {k}: {word}')
+      now = time.monotonic()
+      if now - looked >= 1.0:
+        busy, looked = self._busy(), now
+      quiet = []
+      for k in missing:
+        said = (words.get(k), busy.get(k, -1))
+        if k not in last or last[k][0] != said:
+          last[k] = (said, now)
+        elif now - last[k][1] >= silence and said[0] is None and said[1] < step:
+          quiet.append(k)
+          last[k] = (said, float('inf'))  # named once, until it says something new
+      if quiet:
+        doing = ', '.join(f'process {k}: ' +
+                          (f'last began step {busy[k]}' if k in busy else 'began no upload yet')
+                          for k in quiet)
+        on_problem(f'E-DIST-002: process(es) {", ".join(map(str, quiet))} began no upload of '
+                   f'their part of step {step} in {silence:.0f} s ({doing}); process 0 goes on '
+                   'waiting for it')
       if closing() or (newer() and self._moved_on(step, missing)):
         self.forget(step)
         raise Superseded(f'step {step}: no word from process(es) {missing}')
       time.sleep(every)
 
   def _moved_on(self, step: int, missing: list[int]) -> bool:
+    busy = self._busy()
+    return any(busy.get(k, -1) > step for k in missing)
+
+  def _busy(self) -> dict[int, int]:
+    """{process: the step it last began uploading its part of}."""
     try:
-      busy = dict(self._client.key_value_dir_get(f'{self._prefix}/busy/'))
+      found = self._client.key_value_dir_get(f'{self._prefix}/busy/')
+      return {int(k.rsplit('/', 1)[1]): int(v) for k, v in found}
     except Exception:  # pylint: disable=broad-except  # the runtime's own error types
-      return False
-    return any(int(busy.get(f'{self._prefix}/busy/{k}', -1)) > step for k in missing)
+      return {}
 
   def _words(self, step: int) -> dict[int, str]:
     try:

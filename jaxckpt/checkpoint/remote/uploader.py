@@ -381,8 +381,10 @@ class Uploader:
         self._on_event('remote_retention', deleted=doomed, debris=len(debris), segments=len(unused))
     except LeaseError:
       raise
-    except (CheckpointError, OSError) as e:
-      self._on_event('remote_retention_failed', error=str(e))
+    except Exception as e:  # noqa: BLE001 - the step is committed whatever this meets: next time
+      self._on_event(
+          'remote_retention_failed',
+          error=str(e) if isinstance(e, CheckpointError) else f'{type(e).__name__}: {e}')
 
   def _unused_segments(self, remote: Mapping[int, Any], doomed: list[int]) -> list[str]:
     """The record segments no remaining commit names (merged into longer ones since, or a
