@@ -59,3 +59,38 @@ def test_verify_reads_every_remote_byte(remote_run, s3_server):
   assert r.stdout.splitlines()[0].startswith(f'FAIL {url}/checkpoints/step_00000010: '
                                              'state/process_0.safetensors: checksum mismatch')
   assert r.stdout.splitlines()[1] == f'OK {url}/checkpoints/step_00000020'
+
+
+def test_a_url_that_names_nothing_is_a_usage_error_as_a_local_path_is(remote_run, tmp_path):
+  url, _ = remote_run
+  # A checkpoint the run does not hold: E-CKPT-010, exit 2, as for a local path.
+  r = jaxckpt_cli('verify', f'{url}/checkpoints/step_00000099')
+  assert r.returncode == 2 and r.stdout == '', r.stdout + r.stderr
+  assert r.stderr.strip() == (f'jaxckpt: E-CKPT-010: {url}/checkpoints/step_00000099 is not a '
+                              'checkpoint: the store holds no object under it; pass the URL of a '
+                              "checkpoint the run holds, or the run's")
+  # A mounted path whose disk is not there, whatever the command: one line, exit 2.
+  missing = f'file://{tmp_path}/not-mounted/run'
+  for args in (('inspect', missing), ('verify', missing), ('export', missing, '--format=hf',
+                                                           f'--out={tmp_path / "hf"}')):
+    r = jaxckpt_cli(*args)
+    assert r.returncode == 2, (args, r.stderr)
+    assert r.stderr.strip() == (f'jaxckpt: E-STORE-002: {tmp_path}/not-mounted does not exist; '
+                                'mount the disk it is on, or create that directory'), r.stderr
+  assert not (tmp_path / 'hf').exists()
+
+
+def test_a_checkpoint_without_its_manifest_fails_naming_it_once(remote_run):
+  url, _ = remote_run
+  store = Store(url)
+  step = f'{url}/checkpoints/step_00000020'
+  manifest = objects.object_key(store, 20, 'manifest.json')
+  body = store.read(manifest)
+  store.delete(manifest)
+  try:
+    r = jaxckpt_cli('verify', step)
+  finally:
+    store.write(manifest, body)
+  assert r.returncode == 1, r.stdout + r.stderr
+  [line] = r.stdout.splitlines()
+  assert line.startswith(f'FAIL {step}: ') and line.count(step) == 1, line

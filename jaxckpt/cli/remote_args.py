@@ -43,15 +43,35 @@ def split(url: str) -> tuple[str, int | None]:
   return (url[:-len('/checkpoints')] if url.endswith('/checkpoints') else url), None
 
 
-def open_run(url: str) -> Store:
+# A store's answers that say the URL itself is wrong: usage errors (exit 2), as a local path that
+# does not exist is.
+_WRONG_URL = ('missing_parent', 'missing_bucket', 'bad_url')
+
+
+@contextlib.contextmanager
+def _url_errors() -> Iterator[None]:
   try:
-    return Store(split(url)[0])
+    yield
+  except StoreError as e:
+    if e.kind in _WRONG_URL:
+      raise UsageError(e.code, e.what, e.fix) from None
+    raise
+
+
+def open_run(url: str) -> Store:
+  """The store of the run `url` names; a URL that cannot be one (a scheme, a bucket's name, a
+  mounted path's parent that is not there) is a usage error."""
+  try:
+    store = Store(split(url)[0])
+    store.kv  # pylint: disable=pointless-statement  # opened now: a path's parent is checked
+    return store
   except StoreError as e:
     raise UsageError(e.code, e.what, e.fix) from None
 
 
 def newest(store: Store) -> int:
-  step, skipped = objects.latest_intact(store)
+  with _url_errors():
+    step, skipped = objects.latest_intact(store)
   if step is None:
     why = f' (newest: step {skipped[0][0]}: {skipped[0][1]})' if skipped else ''
     raise UsageError('E-STORE-009', f'{store.url} holds no intact checkpoint{why}',
@@ -144,7 +164,11 @@ def verify(url: str) -> int:
   prints OK/FAIL lines like the local verify and returns its exit status."""
   store = open_run(url)
   run_url, step = split(url)
-  steps = [step] if step is not None else sorted(objects.committed(store))
+  with _url_errors():
+    steps = [step] if step is not None else sorted(objects.committed(store))
+    if step is not None and not store.list(objects.step_prefix(step)):  # as a local path
+      raise UsageError('E-CKPT-010', f'{url} is not a checkpoint: the store holds no object '
+                       'under it', "pass the URL of a checkpoint the run holds, or the run's")
   if not steps:
     raise UsageError('E-CKPT-010', f'{url} holds no checkpoint (looked in {run_url}/checkpoints)',
                      'pass a run URL (the --remote of a run) or a checkpoint URL')
@@ -157,5 +181,6 @@ def verify(url: str) -> int:
         print(f'OK {where}')
       except CheckpointError as e:
         bad += 1
-        print(f'FAIL {where}: {e.what.removeprefix(where + "/")}')
+        what = e.what[len(where):].lstrip('/: ') if e.what.startswith(where) else e.what
+        print(f'FAIL {where}: {what}')
   return 1 if bad else 0
