@@ -83,7 +83,7 @@ def read_json(path: Path) -> Any:
   try:
     with open(path, 'rb') as f:
       return json.loads(f.read())
-  except (OSError, ValueError) as e:
+  except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deep
     raise CheckpointError('E-CKPT-004', f'cannot read {path}: {e}',
                           'the file is missing or corrupt; verify the checkpoint') from e
 

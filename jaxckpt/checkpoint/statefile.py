@@ -259,7 +259,7 @@ def read_header(path: Path, fd: int | None = None) -> tuple[int, dict[str, Any],
     header = json.loads(raw.decode('utf-8'), object_pairs_hook=_no_duplicates)
     if not raw.startswith(b'{') or not isinstance(header, dict):
       raise ValueError('not a JSON object')
-  except (UnicodeDecodeError, ValueError) as e:
+  except (UnicodeDecodeError, ValueError, RecursionError) as e:  # deep JSON: RecursionError
     _damaged(path, f'header is not valid JSON ({e})')
   meta = header.pop('__metadata__', None) or {}
   if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):

@@ -33,7 +33,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
   for line in lines:
     try:
       rows.append(json.loads(line))
-    except ValueError:
+    except (ValueError, RecursionError):
       continue  # a line cut short by a crash
   return rows
 

@@ -23,11 +23,13 @@ from ..atomic import TMP_MARK
 from ..checksum import crc32_combine
 from ..errors import CheckpointError
 from .bounds import MAX_PART_BYTES, MIN_PART_BYTES
+from .checks import read_small
 from .objects import PARALLEL, PART_BYTES, _never, fetch_file
 from .transfer import part_keys, put_part, run_bounded
 from .store import Store
 
 PARTS_INDEX = '.parts.json'
+MAX_INDEX_BYTES = 64 << 10  # a file's parts index: its size, CRC-32 and part size, some 100 bytes
 _MAX_PARTS = 1 << 17  # a size and part size from a bucket are bounded by this before use
 
 
@@ -71,7 +73,11 @@ def file_keys(key: str, listed: Collection[str]) -> list[str]:
 def download_file(store: Store, key: str, path: Path, *, parallel: int = PARALLEL) -> bool:
   """Writes the file `put_file` wrote to `key` into `path` (durably, by a temporary name); False
   when there is none. A file in parts is CRC-checked against its index (E-STORE-012)."""
-  raw = store.read(key + PARTS_INDEX)
+  raw, _, large = read_small(store, key + PARTS_INDEX, MAX_INDEX_BYTES)  # from a bucket: bounded
+  if large:
+    raise CheckpointError(
+        'E-STORE-012', f'{store.join(key + PARTS_INDEX)} is over '
+        f'{MAX_INDEX_BYTES} bytes: not an index jaxckpt writes', 'upload the file again')
   tmp = path.with_name(path.name + atomic.TMP_MARK + uuid.uuid4().hex[:8])
   try:
     if raw is None:
@@ -87,7 +93,7 @@ def download_file(store: Store, key: str, path: Path, *, parallel: int = PARALLE
         if (not MIN_PART_BYTES <= part_bytes <= MAX_PART_BYTES or want['size'] < 0
             or want['size'] > part_bytes * _MAX_PARTS):
           raise ValueError(index)  # sizes from a bucket: bounded before anything is allocated
-      except (ValueError, KeyError, TypeError):
+      except (ValueError, KeyError, TypeError, RecursionError):
         raise CheckpointError('E-STORE-012', f'{store.join(key + PARTS_INDEX)} is malformed',
                               'upload the file again') from None
       prefix, rel = key.rpartition('/')[0] + '/', key.rpartition('/')[2]
