@@ -21,7 +21,8 @@ def peer_source(store: Store,
   """`peers.Remote` for remote checkpoint `step` (its newest intact one; None: none there);
   its seal read from the store when `inspect` (the process that decides). Its `meta` downloads
   the checkpoint's own files (`objects.download` of none of its parts) and hands the records
-  that came with them to `on_records(step, records)`."""
+  that came with them to `on_records(step, records)` before the checkpoint is published: a start
+  that finds it published never downloads it again, so its records would not come after it."""
   from ..peers import Remote  # pylint: disable=import-outside-toplevel
   seal = None
   if step is not None and inspect:
@@ -31,8 +32,8 @@ def peer_source(store: Store,
       step if seal or not inspect else None,
       seal,
       lambda at, rels, into, expect: fetch_files(store, at, rels, into, expect),
-      meta=lambda at, ckpt_dir: on_records(at,
-                                           objects.download(store, at, ckpt_dir, only=())[1]))
+      meta=lambda at, ckpt_dir: objects.download(
+          store, at, ckpt_dir, only=(), before_publish=lambda records: on_records(at, records)))
 
 
 def fetch_files(store: Store,
