@@ -165,6 +165,26 @@ def test_a_mounted_path_that_does_not_answer_fails_the_request_naming_it(tmp_pat
   waiter.shutdown(wait=False)
 
 
+def test_deletes_stop_at_the_first_batch_their_fence_refuses(tmp_path):
+  # The lease check runs before each batch: once it raises, nothing more is deleted.
+  from jaxckpt.checkpoint.remote import store as store_lib
+  (tmp_path / 'bucket').mkdir()
+  store = Store(f'file://{tmp_path}/bucket/run')
+  keys = [f'k{i:04d}' for i in range(store_lib.DELETE_BATCH * 3)]
+  store.write_many({k: b'x' for k in keys})
+  checks = []
+
+  def fence():
+    checks.append(len(store.list()))
+    if len(checks) == 2:
+      raise LeaseError('E-STORE-007', 'not written: the lease was lost', 'stop')
+
+  with pytest.raises(LeaseError):
+    store.delete_many(keys, fence=fence)
+  assert checks == [len(keys), len(keys) - store_lib.DELETE_BATCH]
+  assert store.list() == keys[store_lib.DELETE_BATCH:]
+
+
 def _copy(step_dir, tmp_path):
   import shutil
   root = tmp_path / 'copy' / 'checkpoints'

@@ -150,7 +150,7 @@ class Mirror:
       del self._sent[rel]
 
   def _delete(self, keys: list[str]) -> None:
-    if keys:
-      self._may_delete(self.store.join(self.prefix))
-      # The index first: a reader never follows one to parts that are going.
-      self.store.delete_many(sorted(keys, key=lambda k: not k.endswith(PARTS_INDEX)))
+    if keys:  # the index first: a reader never follows one to parts that are going
+      self.store.delete_many(
+          sorted(keys, key=lambda k: not k.endswith(PARTS_INDEX)),
+          fence=lambda: self._may_delete(self.store.join(self.prefix)))

@@ -186,7 +186,9 @@ def upload(store: Store,
     may_delete(store.join(prefix))
     now, _ = _read_meta(store, step)  # after the lease check: another holder may have committed
     if (now or {}).get('attempt') == attempt:
-      store.delete_many(stale(store, step, [k[len(prefix):] for k in store.list(prefix)], now))
+      store.delete_many(
+          stale(store, step, [k[len(prefix):] for k in store.list(prefix)], now),
+          fence=lambda: may_delete(store.join(prefix)))
   return sent + sum(len(b) for b in writes.values()), m
 
 
@@ -294,7 +296,8 @@ def delete(store: Store, step: int, may_delete: Callable[[str], None] = _never) 
   may_delete(store.join(prefix))
   store.delete(prefix + REMOTE_META)
   store.delete(prefix + layout.MANIFEST)  # a checkpoint from before attempts
-  store.delete_many([prefix + k for k in (key[len(prefix):] for key in store.list(prefix))])
+  store.delete_many([prefix + k for k in (key[len(prefix):] for key in store.list(prefix))],
+                    fence=lambda: may_delete(store.join(prefix)))
   if store.scheme == 'file':  # a path keeps folders: remove those this emptied, deepest first
     for folder, _, _ in os.walk(Path(store.prefix) / prefix, topdown=False):
       with contextlib.suppress(OSError):  # rmdir refuses a folder that still holds something

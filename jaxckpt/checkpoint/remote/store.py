@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import CheckpointError
+from .answers import classify
 from .pacing import WRITES, PACE_SECS, Retries, admit, is_paced, paced, pacing  # noqa: F401
 
 SCHEMES = ('s3', 'gs', 'file')
@@ -60,6 +61,7 @@ _ABSENT = b'\x02'  # tensorstore's generation of a key that holds no value
 # A mounted path's request (`file`) unanswered this long is a mount that does not answer (S3
 # and GCS requests are bounded by `HTTP_TIMEOUTS`); a call's own `timeout` overrides it.
 FILE_OP_SECS = 600.0
+DELETE_BATCH = 64  # deletes in flight at once (`delete_many`), each batch fenced
 _AUTH_LOG = 'google_auth_provider.cc'  # where tensorstore says how it found GCS credentials
 _auth_said = threading.Lock()  # taken for good by the first GCS store of the process
 
@@ -144,35 +146,6 @@ def _flag(value: str | None, default: bool) -> bool:
   if value is None or not value.strip():
     return default
   return value.strip().lower() not in ('false', '0', 'no', 'f', 'n', 'off')
-
-
-def classify(message: str) -> str:
-  """The `StoreError.kind` of a tensorstore error message: 'bad_url' (a bucket name the store
-  cannot have), 'missing_bucket', 'unreachable', 'credentials' (a key or token the store does not
-  know), 'denied' (known credentials without the permission), 'slow_down' (HTTP 503 or 429: the
-  store asks for fewer requests), or 'failed'."""
-  m = message.lower()
-  if any(s in m for s in ("code='503'", "code='429'", 'slowdown', 'too many requests')):
-    return 'slow_down'
-  if 'invalidbucketname' in m or 'invalid' in m and 'bucket name' in m:
-    return 'bad_url'
-  if any(
-      s in m for s in ('invalidaccesskeyid', 'signaturedoesnotmatch', 'unauthenticated', "'401'",
-                       'expiredtoken', 'invalidtoken', 'invalid_grant', 'unrecognizedclient')):
-    return 'credentials'
-  if 'nosuchbucket' in m or 'bucket' in m and ('not found' in m or 'not exist' in m):
-    return 'missing_bucket'
-  if any(
-      s in m for s in ('could not connect', 'connection refused', "couldn't connect",
-                       'resolve host', 'curl error', 'timed out', 'timeout')):
-    return 'unreachable'
-  if any(
-      s in m for s in ("'403'", 'permission_denied', 'accessdenied', 'access denied', 'forbidden',
-                       'permission denied')):
-    return 'denied'
-  if "'404'" in m or 'not_found' in m:
-    return 'missing_bucket'
-  return 'failed'
 
 
 def _without_auth_lines(first_request) -> None:
@@ -347,9 +320,16 @@ class Store:
   def delete(self, key: str) -> None:
     self._call('delete', key, lambda left: self.kv.write(key, None).result(timeout=left))
 
-  def delete_many(self, keys: Iterable[str]) -> None:
-    for request in [self.start_write(k, None, 'delete') for k in keys]:
-      request.result()
+  def delete_many(self, keys: Iterable[str], fence: Callable[[], None] | None = None) -> None:
+    """Deletes `keys`, DELETE_BATCH in flight at a time; `fence()` (a writer's lease check)
+    before each batch, so that nothing more is deleted once it raises: sends wait for their
+    share of the request rate, and thousands of keys take longer than a lease's margin."""
+    keys = list(keys)
+    for at in range(0, len(keys), DELETE_BATCH):
+      if fence is not None:
+        fence()
+      for request in [self.start_write(k, None, 'delete') for k in keys[at:at + DELETE_BATCH]]:
+        request.result()
 
   def list(self, prefix: str = '') -> list[str]:
     """Every key that starts with `prefix`, sorted."""

@@ -368,13 +368,12 @@ class Uploader:
           for k in stale(self.store, s, remote[s], self._metas[s])
       ]
       if debris:
-        self._may_delete(self.store.join('checkpoints'))
-        self.store.delete_many(debris)
+        self.store.delete_many(
+            debris, fence=lambda: self._may_delete(self.store.join('checkpoints')))
       unused = self._unused_segments(remote, doomed) if doomed or self._unnamed or \
           not self._swept else []
       if unused:
-        self._may_delete(self.store.join(SEGMENTS))
-        self.store.delete_many(unused)
+        self.store.delete_many(unused, fence=lambda: self._may_delete(self.store.join(SEGMENTS)))
         for k in unused:
           del self._unnamed[k]
       if doomed or debris or unused:
