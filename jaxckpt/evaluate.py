@@ -99,6 +99,11 @@ class Evaluator:
     return self._trainers[key]
 
   # ------------------------------------------------------------------------ the results
+  @property
+  def damaged(self) -> set[int]:
+    """The steps passed over as damaged (each warned of once)."""
+    return {step for step, _ in self._failed}
+
   def _skip(self, step: int, committed_at: Any, why: str) -> None:
     if (step, committed_at) not in self._failed:
       self._failed.add((step, committed_at))

@@ -9,11 +9,10 @@ from pathlib import Path
 
 from jaxckpt.checkpoint import atomic, layout
 from jaxckpt.checkpoint.remote import objects
-from jaxckpt.cli import remote_args
+from jaxckpt.cli import config_arg, remote_args
 from jaxckpt.cli.parser import ArgumentParser, configure_logging
 from jaxckpt.errors import JaxckptError, UsageError
 from jaxckpt.evaluate import Evaluator, read_results, read_results_file
-from jaxckpt.records.provenance import load_config_file
 from jaxckpt.records.workdir import EVALUATED, EvaluatorLock
 
 
@@ -60,7 +59,7 @@ def main(argv: list[str]) -> int:
     parser.error(f'--out is for a remote --workdir; the results of a local run are '
                  f'{Path(args.workdir) / EVALUATED}')
   # Before anything is downloaded or created: a --config that does not load is a usage error.
-  config = None if args.config is None else _config_from_file(args.config)
+  config = None if args.config is None else config_arg.load(args.config)
   if remote_args.is_url(args.workdir):
     return _evaluate_remote(args, config)
   return _evaluate(Path(args.workdir), args, config)
@@ -151,22 +150,4 @@ def _evaluate(workdir: Path, args, config, shown: Path | None = None, say=lambda
 def _not_evaluated(ev: Evaluator) -> list[int]:
   """The steps the evaluator found damaged and has no result for (a step a resumed run wrote
   again and that was evaluated since is not one of them)."""
-  damaged = {step for step, _ in ev._failed}  # pylint: disable=protected-access
-  return sorted(step for step in damaged if str(step) not in ev.results)
-
-
-def _config_from_file(path: str):
-  """A --config file's config, loaded as `jaxckpt export --config` loads one: a file that is
-  missing, a directory, or does not load (a syntax error, no get_config) is E-USAGE-001."""
-  file = Path(path.rsplit(':', 1)[0] if ':' in Path(path).name else path)
-  if file.is_dir():
-    raise UsageError('E-USAGE-001', f'--config={path} is a directory',
-                     'pass a configs/<name>.py file')
-  if not file.is_file():
-    raise UsageError('E-USAGE-001', f'--config={path}: no such file', 'pass a configs/<name>.py')
-  try:
-    return load_config_file(path)
-  except Exception as e:  # whatever the file's own code raises: its message, on one line
-    why = ' '.join(f'{type(e).__name__}: {e}'.split())
-    raise UsageError('E-USAGE-001', f'--config={path} could not be loaded: {why}',
-                     'pass a configs/<name>.py file') from None
+  return sorted(step for step in ev.damaged if str(step) not in ev.results)

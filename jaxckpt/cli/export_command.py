@@ -4,15 +4,13 @@ files other tools read (`jaxckpt.export.offline`)."""
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from jaxckpt.cli import remote_args
+from jaxckpt.cli import config_arg, remote_args
 from jaxckpt.cli.parser import ArgumentParser
 from jaxckpt.errors import UsageError
 from jaxckpt.export.offline import (FORMATS, check_bin_format, check_out, export_bin,
                                     export_checkpoint)
-from jaxckpt.records import provenance
 
 
 def _parser():
@@ -64,25 +62,6 @@ def _check_optimizer(fmt: str, optimizer: bool | None) -> None:
         '--format=safetensors or --format=hf for the weights only')
 
 
-def _model_config_from_file(path: str):
-  """`config.model` of a configs/*.py file, loaded as `python -m jaxckpt.main --config` does."""
-  file = Path(path.split(':', 1)[0])
-  if not file.is_file():
-    raise UsageError('E-USAGE-001',
-                     f'--config={path}: ' + ('is a directory' if file.is_dir() else 'no such file'),
-                     'pass a configs/<name>.py')
-  # Config files import their siblings as `configs.default`: make their package's parent
-  # importable even when `jaxckpt` runs as a console script from elsewhere.
-  root = str(file.resolve().parent.parent)
-  if root not in sys.path:
-    sys.path.append(root)
-  try:
-    return provenance.load_config_file(path).model
-  except Exception as e:
-    raise UsageError('E-USAGE-001', f'--config={path} could not be loaded: '
-                     f'{type(e).__name__}: {e}', 'pass a configs/<name>.py file') from e
-
-
 def main(argv: list[str]) -> int:
   """`jaxckpt export SOURCE --format=safetensors|hf|bin --out=PATH [--config=FILE]`.
 
@@ -98,7 +77,7 @@ def main(argv: list[str]) -> int:
     check_bin_format(source, args.format)
   _check_optimizer(args.format, args.optimizer)
   optimizer = bool(args.optimizer)
-  model_cfg = _model_config_from_file(args.config) if args.config else None
+  model_cfg = config_arg.load(args.config).model if args.config else None
   check_out(args.format, Path(args.out))  # before a remote checkpoint is downloaded
   if source.suffix == '.bin':
     if model_cfg is None:
