@@ -161,9 +161,14 @@ def test_a_manifest_naming_a_file_and_a_folder_of_it_is_not_intact(s3_server, lo
   with pytest.raises(CheckpointError) as e:
     objects.download(store, 2, tmp_path / 'down')
   assert e.value.code == 'E-STORE-012'
-  run = _fresh_start(store, tmp_path / 'fresh')
-  assert run.start_step == 1
-  assert list(layout.committed_steps(tmp_path / 'fresh' / 'checkpoints')) == [1]
+  assert_a_fresh_start_takes(store, tmp_path / 'fresh', 1)
+
+
+def assert_a_fresh_start_takes(store, workdir, step: int) -> None:
+  """A fresh machine's start from `store` takes `step` and downloads it alone."""
+  run = _fresh_start(store, workdir)
+  assert run.start_step == step
+  assert list(layout.committed_steps(workdir / 'checkpoints')) == [step]
 
 
 def test_a_step_folder_copied_in_the_bucket_is_not_intact(local, tmp_path):
@@ -174,9 +179,7 @@ def test_a_step_folder_copied_in_the_bucket_is_not_intact(local, tmp_path):
   problems = objects.inspect(store, 7)[3]
   assert problems and 'step 1' in problems[0] and 'step 7' in problems[0], problems
   assert objects.latest_intact(store)[0] == 2
-  run = _fresh_start(store, tmp_path / 'fresh')
-  assert run.start_step == 2
-  assert list(layout.committed_steps(tmp_path / 'fresh' / 'checkpoints')) == [2]
+  assert_a_fresh_start_takes(store, tmp_path / 'fresh', 2)
 
 
 def test_a_manifest_whose_step_is_no_whole_number_is_not_intact(local, tmp_path):

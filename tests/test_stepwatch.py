@@ -41,16 +41,20 @@ def test_a_timeout_that_is_not_positive_is_refused(value):
   assert e.value.code == 'E-CONFIG-004' and f'--step_timeout_secs={value}' in e.value.line()
 
 
-def test_a_hung_step_in_one_process_logs_every_stack_records_failed_and_exits_1(tmp_path):
-  r = subprocess.run(
-      [sys.executable, '-c', HUNG.format(timeout=1.0),
-       str(tmp_path)],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      timeout=60)
-  line = r.stderr.strip().splitlines()[-1]
+def watched(code: str, workdir) -> tuple[subprocess.CompletedProcess, str]:
+  """`code` run in a process of its own with the run's records in `workdir`: (the run, its last
+  line on stderr), once it has exited 1 as a hang makes it."""
+  r = subprocess.run([sys.executable, '-c', code, str(workdir)],
+                     cwd=REPO,
+                     capture_output=True,
+                     text=True,
+                     timeout=60)
   assert r.returncode == 1, r.stderr
+  return r, r.stderr.strip().splitlines()[-1]
+
+
+def test_a_hung_step_in_one_process_logs_every_stack_records_failed_and_exits_1(tmp_path):
+  r, line = watched(HUNG.format(timeout=1.0), tmp_path)
   assert line.startswith('jaxckpt: E-DIST-010: step 5 did not complete within 1 s'), line
   assert 'Current thread' in r.stderr and 'in wait' in r.stderr  # the stuck main thread's
   status = json.loads((tmp_path / 'status.json').read_text())
@@ -77,16 +81,7 @@ with stepwatch.watching({timeout}, RunLog(sys.argv[1]), 2):
 
 
 def test_an_evaluation_that_never_returns_ends_the_run_a_long_save_does_not(tmp_path):
-  r = subprocess.run(
-      [sys.executable, '-c',
-       PAUSED.format(timeout=0.5, what='the evaluation'),
-       str(tmp_path)],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      timeout=60)
-  line = r.stderr.strip().splitlines()[-1]
-  assert r.returncode == 1, r.stderr
+  _, line = watched(PAUSED.format(timeout=0.5, what='the evaluation'), tmp_path)
   assert line.startswith('jaxckpt: E-DIST-010: the evaluation after step 4 did not complete '
                          'within 1 s (the last step done: 4; the timeout: max(1 s, the step '
                          'timeout))'), line
