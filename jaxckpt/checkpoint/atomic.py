@@ -88,20 +88,32 @@ def read_json(path: Path) -> Any:
                           'the file is missing or corrupt; verify the checkpoint') from e
 
 
+ASIDE_MARK = '.aside-'  # `<final name>.aside-<nonce>`: a complete old version, set aside
+
+
 def publish_dir(tmp: Path, path: Path) -> None:
   """Rename the complete directory `tmp` to `path`, replacing an existing `path` in one step.
 
   With RENAME_EXCHANGE a crash at any moment leaves the old directory or the new one at `path`,
-  never neither; the old one, now at `tmp`'s name, is then removed. Where the OS or filesystem
-  cannot exchange, the old one is renamed aside first: a crash between the two renames leaves
-  only debris at `path`'s temporary names. The caller fsyncs `path.parent` afterwards.
+  never neither; the old one, now at `tmp`'s name, is removed once `path.parent` is fsynced.
+  Where the OS or filesystem cannot exchange (NFS, FUSE, an old libc), the old one is renamed
+  aside first, to `<path>.aside-<nonce>`: a crash between the two renames leaves it there whole,
+  and a reader that finds no `path` puts it back (`layout.remove_debris`, for checkpoints); a
+  second rename that fails puts it back at once.
   """
   if not path.exists():
     os.rename(tmp, path)
     return
-  if not exchange(tmp, path):
-    aside = temporary_sibling(path)
-    os.rename(path, aside)
-    os.rename(tmp, path)
-    tmp = aside
-  shutil.rmtree(tmp, ignore_errors=True)
+  if exchange(tmp, path):
+    old = tmp
+  else:
+    old = path.with_name(f'{path.name}{ASIDE_MARK}{uuid.uuid4().hex[:12]}')
+    os.rename(path, old)
+    try:
+      os.rename(tmp, path)
+    except BaseException:
+      with contextlib.suppress(OSError):
+        os.rename(old, path)  # the old version back under its name
+      raise
+  fsync_dir(path.parent)  # the new version durably in place before the old one goes
+  shutil.rmtree(old, ignore_errors=True)

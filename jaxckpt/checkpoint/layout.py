@@ -27,7 +27,8 @@ RUN_STATE = 'run_state.json'
 PEER_TMP, FETCH_TMP = '.peer-tmp', '.fetch-tmp'
 
 _STEP_RE = re.compile(r'^step_(\d{8,})$')
-_DEBRIS_RE = re.compile(r'^step_\d{8,}\.(tmp|deleting)-[0-9a-f]+$')
+_DEBRIS_RE = re.compile(r'^step_\d{8,}\.(tmp|deleting|aside)-[0-9a-f]+$')
+_ASIDE_RE = re.compile(r'^(step_\d{8,})\.aside-[0-9a-f]+$')
 
 
 def step_dirname(step: int) -> str:
@@ -80,7 +81,30 @@ def debris(root: Path) -> list[Path]:
   return sorted(out)
 
 
+def recover_aside(root: Path) -> list[Path]:
+  """Puts back a committed checkpoint a replace cut short left aside (`atomic.publish_dir` where
+  the filesystem cannot exchange two names): `step_<n>.aside-*` holding a manifest, when
+  `step_<n>` holds none; returns the steps put back. Others aside are debris (`debris`)."""
+  back = []
+  for name in sorted(_listdir(root)):
+    m = _ASIDE_RE.match(name)
+    if not m or not (root / name / MANIFEST).is_file():
+      continue
+    final = root / m.group(1)
+    if (final / MANIFEST).is_file():
+      continue  # the new version is committed: the old one aside is debris
+    if final.exists():
+      shutil.rmtree(final)  # the new version, uncommitted
+    os.rename(root / name, final)
+    back.append(final)
+  if back:
+    fsync_dir(root)
+  return back
+
+
 def remove_debris(root: Path) -> list[Path]:
+  """Removes what `debris` lists, after putting back what a cut-short replace set aside."""
+  recover_aside(root)
   removed = debris(root)
   for path in removed:
     shutil.rmtree(path, ignore_errors=True)

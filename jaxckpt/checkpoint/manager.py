@@ -316,6 +316,7 @@ class CheckpointManager:
       raise CheckpointError(
           'E-CKPT-001', f'writing checkpoint step {step} under '
           f'{self.directory} failed: {type(e).__name__}: {e}',
+          e.fix if isinstance(e, manifest.NotConfirmed) else
           f'nothing was committed for step {step}; {intact}') from e
     deleted, retention_errors = self._apply_retention(step)
     if self._on_commit is None:

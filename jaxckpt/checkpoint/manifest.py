@@ -362,12 +362,31 @@ def commit(tmp: Path,
   atomic.write_file_durably(tmp / layout.RUN_STATE, run_state)
   files = file_table(tmp, known=known)
   sealed = sealed_json(build(step, files, tensors, metadata, committed_at))
-  if final.exists():
-    atomic.write_file_durably(tmp / layout.MANIFEST, sealed)
-    atomic.publish_dir(tmp, final)
-    atomic.fsync_dir(final.parent)
-  else:
-    os.rename(tmp, final)
-    atomic.fsync_dir(final.parent)
-    atomic.write_file_durably(final / layout.MANIFEST, sealed)  # the commit
+  try:
+    if final.exists():
+      atomic.write_file_durably(tmp / layout.MANIFEST, sealed)
+      atomic.publish_dir(tmp, final)
+      atomic.fsync_dir(final.parent)
+    else:
+      os.rename(tmp, final)
+      atomic.fsync_dir(final.parent)
+      atomic.write_file_durably(final / layout.MANIFEST, sealed)  # the commit
+  except Exception as e:
+    if _holds(final / layout.MANIFEST, sealed):  # in place: its durability is what failed
+      raise NotConfirmed(
+          'E-CKPT-001', f'{final} is in place but its durability was not confirmed: '
+          f'{type(e).__name__}: {e}', 'a reader sees it committed; the next checkpoint '
+          'commits again, and the disk needs checking') from e
+    raise
   return files
+
+
+class NotConfirmed(CheckpointError):
+  """A commit whose manifest is in place, but an fsync after it failed: not known durable."""
+
+
+def _holds(path: Path, data: bytes) -> bool:
+  try:
+    return path.read_bytes() == data
+  except OSError:
+    return False

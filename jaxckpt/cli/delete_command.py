@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from jaxckpt.checkpoint import atomic, layout, policy, retention
+from jaxckpt.checkpoint import atomic, discovery, layout, policy, retention
 from jaxckpt.checkpoint.discovery import NOT_A_CHECKPOINT
 from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
@@ -60,6 +60,12 @@ def main(argv: list[str]) -> int:
   return 0
 
 
+def _resumed_from(root: Path) -> int | None:
+  """The step a start would resume from: the newest that passes verification, every byte."""
+  found, _ = discovery.latest_intact(root)
+  return None if found is None else layout.parse_step(found.name)
+
+
 def _delete(root: Path, step: int, path: Path, args) -> list[str]:
   """Delete checkpoint `step` of `root` unless refused; returns why it had been kept."""
   committed = layout.committed_steps(root)
@@ -72,12 +78,14 @@ def _delete(root: Path, step: int, path: Path, args) -> list[str]:
     why = '; '.join(_why(r, step, records[step]) for r in reasons)
     raise UsageError('E-DELETE-001', f'{path} is kept: {why}',
                      'pass --kept to delete a checkpoint that is kept')
-  if step == max(committed) and not args.newest:
+  if not args.newest and (step == max(committed) or _resumed_from(root) == step):
     older = [s for s in committed if s < step]
     then = f'from step {older[-1]}' if older else 'from scratch'
+    which = 'newest committed' if step == max(committed) else 'newest intact (the newer ones ' \
+        'are damaged)'
     raise UsageError(
-        'E-DELETE-002', f'{path} is the newest committed checkpoint of '
-        f'{root}: the next start would resume {then}', 'pass --newest to delete it all the same')
+        'E-DELETE-002', f'{path} is the {which} checkpoint of {root}: the next start would resume '
+        f'{then}', 'pass --newest to delete it all the same')
   gone = layout.deleting_dir(root, step)
   try:
     path.rename(gone)

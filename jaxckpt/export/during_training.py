@@ -39,6 +39,7 @@ from absl import logging
 
 from jaxckpt.checkpoint import CommitInfo, atomic, layout
 from jaxckpt.errors import CheckpointError, ConfigError
+from jaxckpt.checkpoint.atomic import ASIDE_MARK
 from jaxckpt.export import TMP_MARK, atomic_dir, flatbin, hf, safetensors_io, temporary_sibling
 from jaxckpt.export.offline import FORMATS, MODEL_FILE, OPTIMIZER_FILE, export_path
 from jaxckpt.model import gpt as model_lib
@@ -205,7 +206,8 @@ def apply_retention(directory: Path, keep: int, newest: int) -> list[int]:
 
 
 def remove_debris(directory: Path) -> list[Path]:
-  """Remove `*.tmp-*` left by an export or deletion a crash cut short; returns what went."""
+  """Remove `*.tmp-*` left by an export or deletion a crash cut short, and `*.aside-*` (an
+  earlier export a replace set aside: exports are written again); returns what went."""
   if not directory.is_dir():
     return []
   parents = [directory] + [
@@ -213,7 +215,9 @@ def remove_debris(directory: Path) -> list[Path]:
       for n in _listdir(directory)
       if layout.parse_step(n) is not None and (directory / n).is_dir()
   ]
-  removed = [parent / n for parent in parents for n in _listdir(parent) if TMP_MARK in n]
+  removed = [
+      parent / n for parent in parents for n in _listdir(parent) if TMP_MARK in n or ASIDE_MARK in n
+  ]
   for path in removed:
     _remove(path)
   if removed:
