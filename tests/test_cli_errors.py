@@ -36,6 +36,13 @@ def test_resume_none_refuses_a_workdir_with_checkpoints(trainer, finished_run):
   assert committed_steps(finished_run) == [10, 20]
 
 
+def test_a_refused_start_leaves_the_run_s_records_as_they_were(trainer, finished_run):
+  status = (finished_run / 'status.json').read_bytes()
+  assert_refused(trainer.train(finished_run, *FLAGS, '--config.model.n_embd=32'), 'E-PARAM-002')
+  assert (finished_run / 'status.json').read_bytes() == status  # still `finished`
+  assert events_of(finished_run, 'failed') == []
+
+
 def test_resume_mode_from_environment(trainer, finished_run):
   assert_refused(
       trainer.train(finished_run, *FLAGS, env={'JAXCKPT_RESUME': 'none'}), 'E-RESUME-001')

@@ -304,3 +304,21 @@ def test_signal_after_the_last_step_leaves_the_run_finished(trainer, tmp_path, s
   assert proc.returncode == 0, out
   assert 'Traceback' not in out and 'jaxckpt: ' not in out
   assert read_status(workdir)['state'] == 'finished' and committed_steps(workdir) == [5, 10]
+
+
+def test_a_stop_signal_during_the_first_compile_stops_before_the_first_step(trainer, tmp_path):
+  """A fresh start compiles its step before the loop: a signal that arrives meanwhile stops the
+  run with no step trained and no checkpoint (it trained and saved step 1 when the compile was
+  the first step's call)."""
+  proc = trainer.start(tmp_path, *FLAGS)
+  try:
+    for line in proc.stdout:
+      if 'compiling the train step...' in line:
+        proc.send_signal(signal.SIGTERM)
+        break
+    out = proc.communicate(timeout=120)[0]
+  finally:
+    proc.kill()
+  assert proc.returncode == 128 + signal.SIGTERM, out
+  assert out.strip().splitlines()[-1] == 'jaxckpt: interrupted by SIGTERM at step 0', out
+  assert committed_steps(tmp_path) == [] and read_status(tmp_path)['step'] == 0

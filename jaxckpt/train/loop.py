@@ -28,7 +28,7 @@ from absl import logging
 
 from jaxckpt.checkpoint import CheckpointError, CheckpointManager, CommitInfo, signals
 from jaxckpt.checkpoint.manifest import commit_label
-from jaxckpt.errors import UsageError
+from jaxckpt.errors import UsageError, exit_code
 from jaxckpt.export import during_training
 from jaxckpt.hosts import agreement, distributed, peer_start, stepwatch
 from jaxckpt.hosts.remote import RemoteRun
@@ -261,8 +261,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         logging.error('while stopping after %s: the checkpoint in flight failed too: %s',
                       type(e).__name__, close_error)
         runlog.event('save_failed', error=f'{type(close_error).__name__}: {close_error}')
-      runlog.event('failed', error=f'{type(e).__name__}: {e}')
-      runlog.status(state='failed', error=f'{type(e).__name__}: {e}')
+      if not (isinstance(e, CheckpointError) and exit_code(e) == 2):  # usage: nothing ran
+        runlog.event('failed', error=f'{type(e).__name__}: {e}')
+        runlog.status(state='failed', error=f'{type(e).__name__}: {e}')
       raise
     finally:
       try:
@@ -357,6 +358,7 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
   in_flight = StepsInFlight(config.train.get('max_steps_in_flight', 2))
   if step < total and not trainer.step_compiled:  # minutes for a large model on a CPU
     logging.info('compiling the train step...')
+    trainer.compile_train_step(step)  # here: a stop signal meanwhile stops before a step
   while step < total and agree.stop_signal is None:
     arm = session.bandit.choose(step)
     state, metrics = trainer.train_step(state, trainer.put_batch(dataset.batch(step, arm)))
