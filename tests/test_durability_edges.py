@@ -8,6 +8,7 @@ answer False (as it does where renameat2 is refused), a rename or an fsync made 
 
 import errno
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -114,3 +115,21 @@ def test_delete_refuses_the_checkpoint_a_start_would_resume_from(tmp_path):
   r = jaxckpt_cli('delete', str(root / layout.step_dirname(1)), '--newest')
   assert r.returncode == 0, r.stderr
   assert not (root / layout.step_dirname(1)).exists()
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_is_refused_at_open(tmp_path):
+  (tmp_path / 'file').write_text('')
+  with pytest.raises(CheckpointError) as e:
+    CheckpointManager(tmp_path / 'file' / 'checkpoints')
+  assert e.value.code == 'E-CKPT-019' and 'cannot be written' in e.value.what, e.value
+  if os.geteuid() != 0:
+    return  # a read-only mount (below) needs root; permission bits do not stop root
+  disk = tmp_path / 'ro'
+  disk.mkdir()
+  subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64k,ro', 'tmpfs', str(disk)], check=True)
+  try:
+    with pytest.raises(CheckpointError) as e:
+      CheckpointManager(disk)
+    assert e.value.code == 'E-CKPT-019' and 'Read-only file system' in e.value.what, e.value
+  finally:
+    subprocess.run(['umount', '-l', str(disk)], check=False)

@@ -61,6 +61,20 @@ def _listdir(root: Path) -> list[str]:
         'that cannot be listed is never taken for an empty one)') from e
 
 
+def check_writable(root: Path) -> None:
+  """Makes `root` and writes a file there (removed at once): ArgumentError E-CKPT-019, naming
+  why, when it cannot be, so that a writer learns it before it trains, not at its first save."""
+  probe = root / f'.jaxckpt-probe-{uuid.uuid4().hex[:12]}'
+  try:
+    root.mkdir(parents=True, exist_ok=True)
+    probe.touch(exist_ok=False)
+    probe.unlink()
+  except OSError as e:
+    raise ArgumentError('E-CKPT-019', f'the checkpoint directory {root} cannot be written: '
+                        f'{e.strerror or e}',
+                        'fix its permissions, or pass a directory that can be written') from None
+
+
 def committed_steps(root: Path) -> dict[int, Path]:
   """{step: directory} of every committed checkpoint under `root`, ascending."""
   found = {}

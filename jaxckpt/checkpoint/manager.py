@@ -83,7 +83,7 @@ class CheckpointManager:
         self.options.barrier_timeout_secs) if (writer and jax.process_count() > 1) else None
     self._saves = 0
     if writer:
-      self.directory.mkdir(parents=True, exist_ok=True)
+      layout.check_writable(self.directory)  # here, not at the first save after a run's work
 
       def tidy():
         self.removed_debris = layout.remove_debris(self.directory)

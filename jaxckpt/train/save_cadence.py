@@ -277,7 +277,8 @@ class SaveCadence:
         last_good=latest,
         retry=self._in_a_row > 1)
     if self._in_a_row > 1:
-      what, fix = line, 'fix the cause and run the same command to continue from it'
+      what, fix = line, 'fix the cause and run the same command to continue from it' if \
+          latest is not None else 'fix the cause and run the same command: it starts again'
       if isinstance(error, CheckpointError):  # its own code unless it is this one, and its fix
         what = error.what if error.code == 'E-CKPT-001' else f'{error.code}: {error.what}'
         fix = fix if error.code == 'E-CKPT-001' or not error.fix else error.fix
