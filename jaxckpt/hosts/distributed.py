@@ -85,15 +85,16 @@ def initialize(coordinator_address: str | None = None,
   `stop_signal()` returns) ends the process at once.
   """
   global _cluster
+  joining.check_timeouts(  # on one process too: the flags' names, for their errors
+      init_timeout_secs=init_timeout_secs,
+      barrier_timeout_secs=timeout_secs,
+      heartbeat_timeout_secs=heartbeat_timeout_seconds)
   asked = any(v is not None for v in (coordinator_address, num_processes, process_id))
   if not asked and not joining.cluster_detected():
     return _cluster
   address = coordinator_address or os.environ.get('JAX_COORDINATOR_ADDRESS')
-  joining.check_flags(
-      address,
-      init_timeout_secs=init_timeout_secs,
-      barrier_timeout_secs=timeout_secs,
-      heartbeat_timeout_secs=heartbeat_timeout_seconds)  # the flag's name, for its error
+  joining.check_address(address)
+  joining.check_job(coordinator_address, num_processes, process_id)
   import jax  # pylint: disable=import-outside-toplevel
   # Stops are agreed here (`Agreement`); JAX's own preemption service would take SIGTERM away
   # from the trainer's handler.

@@ -19,6 +19,7 @@ whether anything answers at the coordinator's address. The lines say no more tha
 from __future__ import annotations
 
 import logging as py_logging
+import math
 import os
 import re
 import signal
@@ -40,10 +41,9 @@ _POLL_SECS = 0.2
 _ADDRESS = re.compile(r'^(\[[0-9A-Fa-f:.]+\]|[^\s:\[\]/]+):([0-9]{1,5})$')
 
 
-def check_flags(address: str | None, **timeouts: float) -> None:
-  """E-DIST-004 for an `address` that is not HOST:PORT, E-CONFIG-004 for a timeout that is not
-  positive (both exit 2)."""
-  check_address(address)
+def check_timeouts(**timeouts: float) -> None:
+  """E-CONFIG-004 (exit 2) for a timeout flag that is not a positive number of seconds: checked
+  on one process as on many."""
   for name, value in timeouts.items():
     check_timeout(name, value)
 
@@ -61,10 +61,48 @@ def check_address(address: str | None) -> None:
         'e.g. --coordinator_address=10.0.0.1:1234 (or [::1]:1234)')
 
 
+_TIMEOUT_DEFAULTS = {
+    'init_timeout_secs': 300, 'heartbeat_timeout_secs': 60, 'barrier_timeout_secs': 600
+}
+
+
 def check_timeout(name: str, value: float) -> None:
-  if not value > 0:
-    raise UsageError('E-CONFIG-004', f'--{name}={value:g} is not a positive number of seconds',
-                     f'pass --{name}=300 (or more)')
+  if not 0 < value < math.inf:  # NaN and inf are no time to wait
+    raise UsageError(
+        'E-CONFIG-004', f'--{name}={value:g} is not a positive number of seconds',
+        f'pass a number of seconds > 0, e.g. --{name}={_TIMEOUT_DEFAULTS.get(name, 300)}')
+
+
+_JOB_FIX = ('pass --coordinator_address=HOST:PORT, --num_processes=N and --process_id=0..N-1 on '
+            'every process (or none of them, for one process)')
+
+
+def check_job(address: str | None, count: int | None, index: int | None) -> None:
+  """E-DIST-004 (exit 2) for the job flags (`address`: --coordinator_address, None when not
+  given) when they describe no job: a count that is not positive, a process id outside
+  0..count-1, or (where JAX detects no cluster to fill them in) some of --coordinator_address
+  (or JAX_COORDINATOR_ADDRESS), --num_processes and --process_id without the others."""
+  if count is not None and count < 1:
+    raise UsageError('E-DIST-004', f'--num_processes={count} is not a process count',
+                     'pass the number of processes in the job, 1 or more, the same on every one')
+  if index is not None and index < 0:
+    last = f'{count - 1}' if count is not None else 'N-1'
+    raise UsageError('E-DIST-004', f'--process_id={index} is negative',
+                     f"pass this process's place in the job, 0..{last}, each once")
+  if count is not None and index is not None and index >= count:
+    raise UsageError('E-DIST-004', f'--process_id={index} is not below --num_processes={count}',
+                     f'number the processes 0..{count - 1}, each once')
+  if _cluster_env():
+    return  # JAX fills in what the flags leave out
+  flags = (('coordinator_address', address), ('num_processes', count), ('process_id', index))
+  given = [f'--{name}={value}' for name, value in flags if value is not None]
+  missing = [f'--{name}' for name, value in flags if value is None]
+  env_address = os.environ.get('JAX_COORDINATOR_ADDRESS')
+  if address is None and env_address:
+    given.insert(0, f'JAX_COORDINATOR_ADDRESS={env_address}')
+    missing.remove('--coordinator_address')
+  if missing:
+    raise UsageError('E-DIST-004', f'{" ".join(given)} without {" and ".join(missing)}', _JOB_FIX)
 
 
 class _Job:
@@ -235,8 +273,11 @@ def _exit(line: str, code: int) -> None:
 
 def cluster_detected() -> bool:
   """Whether JAX sees a cluster it can join by itself (TPU pod VMs, SLURM, Open MPI, ...)."""
-  if os.environ.get('JAX_COORDINATOR_ADDRESS'):
-    return True
+  return bool(os.environ.get('JAX_COORDINATOR_ADDRESS')) or _cluster_env()
+
+
+def _cluster_env() -> bool:
+  """Whether the environment is a cluster's that JAX reads the job from (not only an address)."""
   try:
     from jax._src import clusters  # pylint: disable=import-outside-toplevel
     return any(env.is_env_present()

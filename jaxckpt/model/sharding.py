@@ -32,19 +32,36 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
 
 
 def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, int]:
+  """`(data, model)` for `mesh.data` x `mesh.model` on `n_devices`: each axis a positive count,
+  or -1 (one axis at most) for what the other leaves; E-CONFIG-002 naming the axis otherwise."""
   data, model = int(mesh_cfg.data), int(mesh_cfg.model)
+  for axis, size in (('data', data), ('model', model)):
+    if size < -1 or size == 0:
+      raise ConfigError(
+          'E-CONFIG-002', f'mesh.{axis}={size} is not a device count',
+          f'set --config.mesh.{axis} to a positive number of devices, or -1 for all the devices '
+          'the other axis leaves (on one axis at most)')
   if data == -1 and model == -1:
     raise ConfigError('E-CONFIG-002', 'mesh.data and mesh.model are both -1',
                       'set at most one of them to -1')
-  if data == -1:
-    data = n_devices // model if model > 0 and n_devices % model == 0 else 0
-  if model == -1:
-    model = n_devices // data if data > 0 and n_devices % data == 0 else 0
-  if data <= 0 or model <= 0 or data * model > n_devices:
-    raise ConfigError('E-CONFIG-002',
-                      f'mesh {mesh_cfg.data}x{mesh_cfg.model} does not fit {n_devices} device(s)',
+  if -1 in (data, model):
+    axis, size = ('model', model) if data == -1 else ('data', data)
+    if n_devices % size:
+      raise ConfigError(
+          'E-CONFIG-002', f'mesh.{axis}={size} does not divide the {n_devices} device(s) '
+          f'that mesh.{"data" if axis == "model" else "model"}=-1 shares out',
+          f'set --config.mesh.{axis} to {_divisors(n_devices)}, or both axes explicitly')
+    return (n_devices // size, size) if data == -1 else (size, n_devices // size)
+  if data * model > n_devices:
+    raise ConfigError('E-CONFIG-002', f'mesh {data}x{model} does not fit {n_devices} device(s)',
                       f'choose mesh.data * mesh.model <= {n_devices}')
   return data, model
+
+
+def _divisors(n: int) -> str:
+  divisors = [d for d in range(1, n + 1) if n % d == 0]
+  listed = f' ({", ".join(map(str, divisors))})' if len(divisors) <= 12 else ''
+  return f'a divisor of {n}{listed}'
 
 
 def make_mesh(mesh_cfg, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -7,6 +7,9 @@ decides whether a config can run, before anything is compiled or written.
 
 from __future__ import annotations
 
+import math
+import numbers
+
 from jaxckpt.checkpoint import ArgumentError, CheckpointOptions, cadence
 from jaxckpt.checkpoint.remote import StoreError, pacing, parse_url
 from jaxckpt.errors import ConfigError
@@ -28,6 +31,10 @@ def validate_config(config) -> None:
     if not value > 0:
       raise ConfigError('E-CONFIG-001', f'{field}={value} must be positive',
                         f'set --config.{field}')
+  warmup = t.get('warmup_steps', 0)
+  if isinstance(warmup, bool) or not isinstance(warmup, numbers.Integral) or warmup < 0:
+    raise ConfigError('E-CONFIG-001', f'train.warmup_steps={warmup!r} must be a whole number >= 0',
+                      'set --config.train.warmup_steps to the steps of linear warmup (0: none)')
   if m.n_embd % m.n_head:
     raise ConfigError('E-CONFIG-001', f'model.n_embd={m.n_embd} is not a multiple of '
                       f'model.n_head={m.n_head}', 'change one of them')
@@ -96,26 +103,66 @@ def _validate_remote(c) -> None:
                       'negative', 'set --stop_grace_secs to seconds (0: do not wait)')
 
 
+# The checkpoint options the trainer hands the library: config field -> (its flag, what it may
+# be). The library's own names: every -> every_steps, secs -> every_secs, the others the same.
+_CHECKPOINT_FLAGS = {
+    'every': ('--checkpoint_every', 'a whole number of steps (0: off) or auto'),
+    'secs': ('--checkpoint_secs', 'a number of seconds, 0 or more (0: off)'),
+    'mode': ('--checkpoint_mode', 'auto, async or sync'),
+    'staging': ('--checkpoint_staging', 'auto, host or device'),
+    'storage': ('--config.checkpoint.storage', 'auto, safetensors or orbax'),
+    'keep': ('--keep', 'the newest checkpoints to keep, 0 or more (0: all)'),
+    'keep_every': ('--keep_every', 'a step multiple, 0 or more (0: off)'),
+    'keep_best': ('--keep_best', 'a number of checkpoints, 0 or more (0: off)'),
+    'replicas': ('--replicas', "a number of other hosts' parts to keep, 0 or more (0: off)"),
+}
+
+
+def _bad_checkpoint_option(field: str, value, problem: str) -> ConfigError:
+  """E-CONFIG-004 naming the flag of `config.checkpoint.<field>` and what it may be."""
+  flag, valid = _CHECKPOINT_FLAGS[field]
+  shown = f'{value:g}' if isinstance(value, float) else repr(value)
+  alias = '' if flag.startswith('--config.') else f' (or --config.checkpoint.{field})'
+  return ConfigError('E-CONFIG-004', f'{flag}={shown} is {problem}',
+                     f'set {flag}{alias} to {valid}')
+
+
 def checkpoint_options(config):
-  """The checkpoint library's options for `config.checkpoint`; a bad value is a ConfigError."""
+  """The checkpoint library's options for `config.checkpoint`; a bad value is a ConfigError
+  naming its flag."""
   c = config.checkpoint
   try:
     every = cadence.parse_every(c.every)
-    return CheckpointOptions(
-        every_steps=0 if every == cadence.AUTO else every,  # auto: the trainer's SaveCadence
-        every_secs=c.secs,
-        mode=c.mode,
-        keep=c.keep,
-        keep_every=c.keep_every,
-        keep_best=c.get('keep_best', 0),
-        storage=c.storage,
-        staging=c.get('staging', 'auto'),
-        replicas=c.get('replicas', 0))
-  except ArgumentError as e:
-    raise ConfigError(
-        e.code, e.what, 'set --checkpoint_every, --checkpoint_secs, --checkpoint_mode, '
-        '--checkpoint_staging, --keep, --keep_every, --keep_best, --replicas or '
-        '--config.checkpoint.*') from None
+  except ArgumentError:
+    raise _bad_checkpoint_option('every', c.every, 'not a step count or auto') from None
+  secs = c.secs
+  if isinstance(secs, bool) or not isinstance(secs, numbers.Real) or not math.isfinite(secs):
+    raise _bad_checkpoint_option('secs', secs, 'not a number of seconds')
+  if secs < 0:
+    raise _bad_checkpoint_option('secs', secs, 'negative')
+  counts = {
+      'keep': c.keep, 'keep_every': c.keep_every, 'keep_best': c.get('keep_best', 0),
+      'replicas': c.get('replicas', 0)
+  }
+  for field, value in counts.items():
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+      raise _bad_checkpoint_option(field, value, 'not a whole number')
+    if value < 0:
+      raise _bad_checkpoint_option(field, value, 'negative')
+  named = {'mode': c.mode, 'staging': c.get('staging', 'auto'), 'storage': c.storage}
+  for field, value in named.items():
+    try:
+      CheckpointOptions(**{field: value})
+    except ArgumentError:
+      raise _bad_checkpoint_option(field, value, f'not {_CHECKPOINT_FLAGS[field][1]}') from None
+  return CheckpointOptions(
+      every_steps=0 if every == cadence.AUTO else every,  # auto: the trainer's SaveCadence
+      every_secs=float(secs),
+      keep=int(counts['keep']),
+      keep_every=int(counts['keep_every']),
+      keep_best=int(counts['keep_best']),
+      replicas=int(counts['replicas']),
+      **named)
 
 
 def cadence_options(config) -> cadence.CadenceOptions:
