@@ -253,9 +253,7 @@ def inspect(
   try:
     m = manifest.parse(Path(where), raw)
   except CheckpointError as e:
-    return raw, None, None, [str(e)]
-  except RecursionError:
-    return raw, None, None, [f'{where}/manifest.json: nested too deeply to read']
+    return raw, None, None, [str(e)]  # JSON nested too deep included (E-CKPT-004)
   problems = [p for p in (manifest.check_seal(raw, m),) if p]
   problems += manifest_problems(step, m)  # its step and names: from the bucket too
   if meta is None or 'part_bytes' not in meta:
