@@ -37,7 +37,7 @@ def train_from_flags(argv, watcher: signals.PreemptionWatcher | None = None) -> 
         section, name = field.split('.')
         config[section][name] = FLAGS[flag].value
   trainer_flags.check_auto_only(FLAGS, config)
-  resume = FLAGS.resume or os.environ.get('JAXCKPT_RESUME') or 'latest'
+  resume = trainer_flags.resume_mode(FLAGS.resume)
   logging.info('%s', trainer_flags.startup_line(FLAGS, resume))  # before the slow imports
   provenance = provenance_lib.provenance(
       config,

@@ -8,6 +8,7 @@ import pytest
 from conftest import tiny_config
 from test_cli_errors import assert_refused
 
+from jaxckpt.cli import trainer_flags
 from jaxckpt.errors import ConfigError, UsageError
 from jaxckpt.hosts import distributed, joining
 from jaxckpt.model import sharding
@@ -151,6 +152,7 @@ def test_job_flags_that_describe_a_job(monkeypatch):
     ('--barrier_timeout_secs=0', 'E-CONFIG-004', '--barrier_timeout_secs=0'),
     ('--num_processes=0', 'E-DIST-004', '--num_processes=0'),
     ('--process_id=5', 'E-DIST-004', '--process_id=5 without'),
+    ('--resume=', 'E-RESUME-005', '--resume is empty'),
 ])
 def test_the_trainer_refuses_with_one_line(trainer, tmp_path, flag, code, names):
   r = trainer.train(tmp_path / 'w', *RUN, flag)
@@ -158,3 +160,12 @@ def test_the_trainer_refuses_with_one_line(trainer, tmp_path, flag, code, names)
   assert names in line, line
   assert [x for x in r.stderr.splitlines() if x.startswith('jaxckpt:')] == [line]
   assert not (tmp_path / 'w' / 'checkpoints').exists()
+
+
+def test_an_empty_resume_mode_is_never_latest(trainer, tmp_path):
+  r = trainer.train(tmp_path / 'w', *RUN, env={'JAXCKPT_RESUME': ' '})
+  assert 'JAXCKPT_RESUME is empty' in assert_refused(r, 'E-RESUME-005')
+  assert not (tmp_path / 'w' / 'checkpoints').exists()
+  assert trainer_flags.resume_mode(None, {}) == 'latest'
+  assert trainer_flags.resume_mode(None, {'JAXCKPT_RESUME': 'none'}) == 'none'
+  assert trainer_flags.resume_mode('latest', {'JAXCKPT_RESUME': ''}) == 'latest'  # the flag wins

@@ -263,6 +263,22 @@ def check_auto_only(flag_values, config) -> None:
         f'add --checkpoint_every=auto, or leave out {names}')
 
 
+def resume_mode(flag_value: str | None, environ=os.environ) -> str:
+  """`--resume`, else `$JAXCKPT_RESUME`, else `latest`. An empty value (`--resume=$STEP` with STEP
+  unset) is refused (E-RESUME-005): taken as `latest`, it would resume from another checkpoint than
+  the one meant."""
+  for name, value in (('--resume', flag_value), ('JAXCKPT_RESUME', environ.get('JAXCKPT_RESUME'))):
+    if value is None:
+      continue
+    if not value.strip():
+      raise UsageError(
+          'E-RESUME-005', f'{name} is empty',
+          f"give {name} a value: latest, none, or a checkpoint's path" +
+          (' (or unset it)' if name == 'JAXCKPT_RESUME' else ''))
+    return value
+  return 'latest'
+
+
 def startup_line(flag_values, resume: str) -> str:
   """What this start is, before anything slow: config, workdir, processes, what it resumes."""
   config = config_flags.get_config_filename(flag_values['config'])
