@@ -322,3 +322,47 @@ def test_a_stop_signal_during_the_first_compile_stops_before_the_first_step(trai
   assert proc.returncode == 128 + signal.SIGTERM, out
   assert out.strip().splitlines()[-1] == 'jaxckpt: interrupted by SIGTERM at step 0', out
   assert committed_steps(tmp_path) == [] and read_status(tmp_path)['step'] == 0
+
+
+HOOKED = textwrap.dedent("""
+    import os, signal, sys, time
+    from jaxckpt.checkpoint import signals
+    signals.on_exit_now(lambda name: open(sys.argv[1], 'w').write(name))
+    signals.on_exit_now(lambda name: time.sleep(600))  # a hook that hangs is left behind
+    signals.on_exit_now(lambda name: 1 / 0)  # never reached: the one before it hangs
+    remove = signals.on_exit_now(lambda name: open(sys.argv[1], 'a').write('removed ran'))
+    remove()
+    with signals.PreemptionWatcher():
+      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), signal.SIGTERM)
+      time.sleep(60)
+""")
+
+
+def test_a_second_signal_runs_the_exit_hooks_within_their_bound(tmp_path):
+  said = tmp_path / 'said'
+  t0 = time.monotonic()
+  r = subprocess.run([sys.executable, '-c', HOOKED, str(said)],
+                     capture_output=True,
+                     text=True,
+                     cwd=REPO,
+                     timeout=60,
+                     env=subprocess_env(REPO))
+  assert r.returncode == 128 + signal.SIGTERM, r.stderr
+  assert said.read_text() == 'SIGTERM'
+  assert time.monotonic() - t0 < 30  # the hanging hook was given EXIT_NOW_HOOK_SECS, not 600 s
+
+
+def test_a_second_stop_signal_marks_the_status_interrupted(trainer, tmp_path):
+  proc = trainer.start(tmp_path, *FLAGS)
+  wait_for(training_has_begun(tmp_path), proc)
+  # Two of one signal sent at once can arrive as one; two different ones cannot.
+  proc.send_signal(signal.SIGINT)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  second = signal.Signals(proc.returncode - 128).name
+  assert second in ('SIGINT', 'SIGTERM'), out
+  assert f'jaxckpt: second {second}: exiting now without a checkpoint' in out
+  st = read_status(tmp_path)
+  assert st['state'] == 'interrupted' and st['signal'] == second, st  # not `running`
+  assert f'a second {second}' in st['error'] and st['pid'] == proc.pid

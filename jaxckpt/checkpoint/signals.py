@@ -4,7 +4,8 @@
   A machine that shuts down sends SIGTERM (often with SIGHUP) and then waits a few seconds.
 - A second SIGTERM or SIGINT (after a first SIGTERM or SIGINT): exit at once with 128+n, no
   checkpoint (a person insisting, or the grace period ending). A checkpoint being written is
-  left as debris, never as a checkpoint.
+  left as debris, never as a checkpoint. Hooks given to `on_exit_now` (a status file to mark)
+  run first, EXIT_NOW_HOOK_SECS at most in all.
   SIGHUP never does this: it arrives together with SIGTERM when a terminal or machine goes away.
 - SIGUSR1: write a checkpoint at the next step boundary and keep training.
 
@@ -20,6 +21,7 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SAVE_SIGNAL = signal.SIGUSR1
@@ -122,12 +124,33 @@ class PreemptionWatcher:
 
 
 _exiting = threading.Lock()
+_hooks: list[Callable[[str], None]] = []
+EXIT_NOW_HOOK_SECS = 2.0  # a hook that hangs (a hung disk, a lock the main thread holds) is left
+
+
+def on_exit_now(hook: Callable[[str], None]) -> Callable[[], None]:
+  """`hook(signal_name)` runs when a second stop signal exits the process at once, in a thread of
+  its own, EXIT_NOW_HOOK_SECS at most for all hooks together; returns what removes it."""
+  _hooks.append(hook)
+  return lambda: hook in _hooks and _hooks.remove(hook)
+
+
+def _run_hooks(name: str) -> None:
+  for hook in list(_hooks):
+    try:
+      hook(name)
+    except Exception as e:  # pylint: disable=broad-except  # exiting anyway: say it, go on
+      os.write(2, f'jaxckpt: while exiting: {type(e).__name__}: {e}\n'.encode())
 
 
 def _exit_now(signum: int) -> None:
   if _exiting.acquire(blocking=False):  # the handler and `_SecondSignal` may both get here
     name = signal.Signals(signum).name
     os.write(2, f'jaxckpt: second {name}: exiting now without a checkpoint\n'.encode())
+    if _hooks:
+      last = threading.Thread(target=_run_hooks, args=(name,), name='jaxckpt-exit', daemon=True)
+      last.start()
+      last.join(EXIT_NOW_HOOK_SECS)
     os._exit(128 + signum)
 
 

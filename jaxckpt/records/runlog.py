@@ -1,7 +1,8 @@
 """The run's records in its workdir: `status.json`, `events.jsonl` and the loss history.
 
 - `status.json` is rewritten atomically: running / interrupted / finished / failed, the step, the
-  last committed checkpoint, pid, host, start and update times.
+  last committed checkpoint, pid, host, start and update times. A second stop signal, which exits
+  at once, marks it `interrupted` on its way out (`signals.on_exit_now`).
 - `events.jsonl` and `loss.jsonl` are append-only. A crash can cut their last line short; readers
   skip a line that does not parse. The loss history is never rewritten: steps replayed after a
   resume are appended again under a new `segment`, and `read_loss_history` keeps the newest
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from jaxckpt.checkpoint import atomic
+from jaxckpt.checkpoint import atomic, signals
 from jaxckpt.records.workdir import EVENTS, LOSSES, STATUS
 
 
@@ -59,6 +60,7 @@ class RunLog:
     # Each start of the trainer is a new segment of the loss history.
     self.segment = sum(1 for e in read_jsonl(self.workdir / EVENTS) if e['event'] == 'started')
     self._scalars = None  # a `tensorboard.Scalars`, or None
+    self._unhook = lambda: None
 
   def mirror(self, scalars) -> None:
     """Also hand what `losses` and `event` write to `scalars` (a `tensorboard.Scalars`)."""
@@ -66,6 +68,7 @@ class RunLog:
 
   def close(self) -> None:
     """Closes the mirror's event file; the records here need no closing (each line is synced)."""
+    self._unhook()
     scalars, self._scalars = self._scalars, None
     if scalars is not None:
       scalars.close()
@@ -94,10 +97,19 @@ class RunLog:
   def losses(self, rows: Iterable[Mapping[str, Any]]) -> None:
     self._append(LOSSES, ({**r, 'segment': self.segment} for r in rows), sync=True)
 
+  def _exited_now(self, name: str) -> None:
+    self.status(
+        state='interrupted',
+        signal=name,
+        error=f'a second {name}: exited at once, '
+        'without a checkpoint of this step')
+
   def status(self, **fields: Any) -> None:
     with self._lock:
       if not self._status:
         self._status = {'pid': os.getpid(), 'host': socket.gethostname(), 'started_at': time.time()}
+        # A second stop signal exits at once: the status says so, not `running` for a dead pid.
+        self._unhook = signals.on_exit_now(self._exited_now)
       self._status.update(fields, updated_at=time.time())
       atomic.write_json_durably(self.workdir / STATUS, self._status)
 
