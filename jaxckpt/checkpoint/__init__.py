@@ -17,6 +17,7 @@ paying for jax.
     manifest    the commit marker: every file's size and CRC-32, the tensor table, its seal
     layout      names on disk, committed steps, debris;  atomic: durable writes and swaps
     discovery   the newest intact checkpoint; checking one while a live run changes it
+    abandoned   checkpoints a run left above the older one it went back to: never the newest
     policy      when to save and what to keep;  retention: deleting what it lets go
     signals     preemption signals as flags
     cadence     how often to save: Young-Daly from a checkpoint's cost and the interruption rate

@@ -5,7 +5,8 @@
 - `check_live` / `scan`: the same for a run that is still writing and deleting checkpoints: one
   being written is not committed yet, one removed by retention under the reader was not damaged.
 - `latest_intact(root)`: the newest committed checkpoint that passes, with the newer ones it
-  passed over (a resume takes it); `latest_intact_or_raise` and `intact_or_raise` refuse,
+  passed over (a resume takes it); checkpoints the run abandoned (`abandoned`) only when nothing
+  else is intact; `latest_intact_or_raise` and `intact_or_raise` refuse,
   rather than silently start over, when committed checkpoints exist but none (or not the one
   named) is intact.
 """
@@ -16,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from . import layout, manifest
+from . import abandoned, layout, manifest
 from .errors import ArgumentError, CheckpointError
 
 MANIFEST = layout.MANIFEST
@@ -185,6 +186,11 @@ def scan(root: Path,
     yield status, path, lines
 
 
+ABANDONED = ('abandoned: the run went back to an older checkpoint and has not replayed this step '
+             f'yet ({abandoned.FILE}); kept until it does, or `jaxckpt delete` removes it')
+NOT_COMMITTED = 'not committed: no manifest.json (an interrupted save, or its manifest was lost)'
+
+
 def latest_intact(
     ckpt_dir: str | Path,
     *,
@@ -199,23 +205,32 @@ def latest_intact(
   ({path: problem}) are checkpoints the caller found damaged itself, e.g. while loading them.
   """
   committed, uncommitted = _step_dirs(Path(ckpt_dir))
+  left = abandoned.steps(Path(ckpt_dir), committed)
   candidates = sorted(
-      [(s, p, None) for s, p in committed.items()] +
-      [(layout.parse_step(p.name), p, 'not committed') for p in uncommitted],
+      [(s, p, ABANDONED if s in left else None) for s, p in committed.items()] +
+      [(layout.parse_step(p.name), p, NOT_COMMITTED) for p in uncommitted],
       key=lambda c: c[0],
       reverse=True)
   skipped: list[tuple[Path, str]] = []
   for _, path, state in candidates:
     if state is not None:
-      skipped.append((path, 'not committed: no manifest.json (an interrupted save, or its '
-                      'manifest was lost)'))
+      skipped.append((path, state))
       continue
     found = [known_bad[path]] if path in (known_bad or {}) else \
         problems(path, checksums=checksums)
     if not found:
       return path, skipped
     skipped.append((path, _summary(found)))
-  return None, skipped
+  # Nothing of the history the run is on is left: what it abandoned is better than nothing.
+  rest: list[tuple[Path, str]] = []
+  for path, why in skipped:
+    if why == ABANDONED:
+      found = problems(path, checksums=checksums)
+      if not found:
+        return path, rest
+      why = _summary(found)
+    rest.append((path, why))
+  return None, rest
 
 
 def latest_intact_or_raise(
@@ -227,7 +242,7 @@ def latest_intact_or_raise(
   committed; committed checkpoints none of which is intact raise `CheckpointError`
   E-RESUME-004 instead of letting the caller silently start over them."""
   path, skipped = latest_intact(ckpt_dir, checksums=checksums, known_bad=known_bad)
-  damaged = [(p, why) for p, why in skipped if not why.startswith('not committed')]
+  damaged = [(p, why) for p, why in skipped if why != NOT_COMMITTED]
   if path is None and damaged:
     raise CheckpointError(
         'E-RESUME-004', f'none of the {len(damaged)} committed '

@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterable, Mapping
 import jax
 import numpy as np
 
-from . import (atomic, bounded, jobcommit, layout, manifest, multihost, orbaxstore, reading,
-               replicas, retention, shardtable, statefile)
+from . import (abandoned, atomic, bounded, jobcommit, layout, manifest, multihost, orbaxstore,
+               reading, replicas, retention, shardtable, statefile)
 from .errors import CheckpointError
 from .formats import SAFETENSORS
 from .options import CheckpointOptions, CommitInfo
@@ -101,7 +101,7 @@ class CheckpointManager:
     return list(layout.committed_steps(self.directory))
 
   def latest_step(self) -> int | None:
-    steps = self.all_steps()
+    steps = sorted(set(self.all_steps()) - abandoned.steps(self.directory))
     return steps[-1] if steps else None
 
   def step_dir(self, step: int) -> Path:
@@ -118,9 +118,12 @@ class CheckpointManager:
     Without this the cadence counts from the newest committed step. A run that continues from an
     older checkpoint (an explicit one, or `latest` passing over a damaged newer one) replays
     steps that may have checkpoints of an earlier history; they are saved again as the run
-    passes them, each replacing the old one atomically (see `save`).
+    passes them, each replacing the old one atomically (see `save`). Until then none of those
+    is the newest checkpoint (`abandoned`: recorded here, before the first step).
     """
     self._last_save_step, self._last_save_time = step, self._clock()
+    if self._group is None or self._group.leader or not self._group.shared:
+      abandoned.record(self.directory, step)
 
   def _mode(self, leaves: Mapping[str, Any]) -> str:
     """This save's mode, decided before any host memory is allocated for it."""

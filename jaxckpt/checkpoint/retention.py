@@ -1,7 +1,8 @@
 """Deleting what the retention policy lets go, right after a commit (`CheckpointManager`).
 
 What a checkpoint's own manifest says is kept (`policy.pins`) is never deleted here, whatever
-the flags of the run deleting: only `jaxckpt delete CKPT --kept` removes it.
+the flags of the run deleting: only `jaxckpt delete CKPT --kept` removes it. Nor is a checkpoint
+a run abandoned when it went back to an older one (`abandoned`), and `keep` does not count it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from . import atomic, layout, manifest
+from . import abandoned, atomic, layout, manifest
 from .errors import CheckpointError
 from .options import CheckpointOptions
 from .policy import RECORD, RetentionPolicy, manifest_fields, pins
@@ -100,6 +101,8 @@ def apply(directory: Path,
     for gone in set(_FIELDS) - {str(p / layout.MANIFEST) for p in committed.values()}:
       if Path(gone).parent.parent == directory:
         _FIELDS.pop(gone, None)
+    left = abandoned.left(directory, committed)  # neither counted in `keep` nor deleted here
+    committed = {s: p for s, p in committed.items() if s not in left}
     records = fields(committed)
     doomed = policy.to_delete(
         committed, best_metric(records, options), newest=newest, pinned=pins(records))

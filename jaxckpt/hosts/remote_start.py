@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from absl import logging
 
-from jaxckpt.checkpoint import CheckpointError, atomic, beside, discovery, layout
+from jaxckpt.checkpoint import CheckpointError, abandoned, atomic, beside, discovery, layout, manifest
 from jaxckpt.checkpoint.checksum import crc32
 from jaxckpt.checkpoint.remote import LeaseError, StoreError, objects
 from jaxckpt.checkpoint.remote.store import StoreTimeout
@@ -74,8 +74,12 @@ def sync_down(run,
         'history', 'use --resume=latest to continue, or a new --remote prefix and --workdir to '
         'start over')
   passed: list[tuple[int, str]] = []
+  left = abandoned.recorded(ckpt_dir)  # {step: seal} this workdir's run went back from
   for step, keys in sorted(committed.items(), reverse=True):
-    problems = objects.inspect(run.store, step, keys)[3]
+    raw, _, _, problems = objects.inspect(run.store, step, keys)
+    if step in left and raw is not None and manifest.seal_of(raw) == left[step]:
+      logging.info('passing over remote step %d: %s', step, discovery.ABANDONED)
+      continue
     if problems:
       logging.warning('passing over remote step %d: %s', step, problems[0])
       passed.append((step, problems[0]))

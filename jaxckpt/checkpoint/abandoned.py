@@ -1,0 +1,92 @@
+"""The checkpoints a run left behind when it went back to an older one: `abandoned.json`.
+
+A run that continues from step R while committed checkpoints numbered above R exist (an explicit
+older checkpoint) abandons them. They stay on disk: nothing here deletes, and the replay replaces
+each one as it reaches its step. Until it does, none of them is the newest checkpoint: a stop or
+a crash before the replay gets there resumes the history the run is on, not the abandoned one.
+
+`record(root, R)` (`CheckpointManager.continue_from`) writes their steps and seals, durably,
+before the first step; `steps(root)` is what is still abandoned: a step the replay rewrote has
+another seal and counts again (the record goes once none is left: `left`, after each commit). `discovery.latest_intact` passes over them, and retention neither
+counts them in `keep` nor deletes them (`jaxckpt delete` does). The record is this directory's:
+a checkpoint copied elsewhere, or downloaded from a store, carries no word of it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Mapping
+
+from . import atomic, layout, manifest
+
+FILE = 'abandoned.json'
+_MAX_BYTES = 1 << 20  # a step and a seal per checkpoint: far below this
+_log = logging.getLogger(__name__)
+
+
+def _seal(step_dir: Path) -> str | None:
+  try:
+    return manifest.seal_of((step_dir / layout.MANIFEST).read_bytes())
+  except OSError:
+    return None
+
+
+def record(root: Path, step: int) -> dict[int, str]:
+  """Records the committed checkpoints under `root` above `step` as abandoned ({step: seal}); a
+  run continuing from the newest has none, and the record is removed."""
+  above = {s: _seal(p) for s, p in layout.committed_steps(root).items() if s > step}
+  gone = {s: seal for s, seal in above.items() if seal is not None}
+  path = root / FILE
+  if gone:
+    table = {str(s): seal for s, seal in gone.items()}
+    atomic.write_json_durably(path, {'from_step': step, 'abandoned': table})
+  elif path.exists():
+    path.unlink()
+    atomic.fsync_dir(root)
+  return gone
+
+
+def recorded(root: Path) -> dict[int, str]:
+  """{step: seal} of the record; {} when there is none. A record that is not one a writer gives
+  is ignored, with a warning: the abandoned checkpoints are then candidates again, as they were
+  before it, and nothing is deleted for it."""
+  path = root / FILE
+  try:
+    with open(path, 'rb') as f:
+      raw = f.read(_MAX_BYTES + 1)
+  except FileNotFoundError:
+    return {}
+  except OSError as e:
+    _log.warning('cannot read %s (%s): checkpoints it names are not passed over', path, e)
+    return {}
+  try:
+    found = json.loads(raw) if len(raw) <= _MAX_BYTES else None
+    table = found.get('abandoned') if isinstance(found, Mapping) else None
+    out = {int(s): seal for s, seal in table.items() if isinstance(seal, str)}
+    if len(out) == len(table) and all(s >= 0 for s in out):
+      return out
+  except (ValueError, RecursionError, AttributeError, TypeError):
+    pass
+  _log.warning('%s is not a record of abandoned checkpoints: ignored', path)
+  return {}
+
+
+def steps(root: Path, committed: Mapping[int, Path] | None = None) -> set[int]:
+  """The committed steps under `root` still abandoned: named by the record, with the same seal."""
+  table = recorded(root)
+  if not table:
+    return set()
+  committed = layout.committed_steps(root) if committed is None else committed
+  return {s for s, seal in table.items() if s in committed and _seal(committed[s]) == seal}
+
+
+def left(root: Path, committed: Mapping[int, Path]) -> set[int]:
+  """`steps`, for the writer after a commit: once the replay has replaced every abandoned
+  checkpoint (or they were deleted), the record goes."""
+  out = steps(root, committed)
+  if not out and (root / FILE).exists():
+    (root / FILE).unlink(missing_ok=True)
+    atomic.fsync_dir(root)
+  return out

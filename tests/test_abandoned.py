@@ -1,0 +1,106 @@
+"""A run that went back to an older checkpoint stays on its history: the checkpoints it left above
+that one are never the newest (a stop or crash before the replay reaches them resumes where this
+history is), retention neither counts nor deletes them, and the replay replaces them."""
+
+import json
+import shutil
+
+import jax.numpy as jnp
+import pytest
+from conftest import committed_steps, events_of, remote_steps
+
+from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, abandoned, discovery, layout
+from jaxckpt.checkpoint.remote import Store
+
+FLAGS = ('--checkpoint_every=10', '--keep=0')
+
+
+def _save(mgr, *steps):
+  for step in steps:
+    mgr.save(step, {'w': jnp.full((8,), step, jnp.float32)}, {'step': step})
+  mgr.wait_until_finished()
+
+
+def _newest(root):
+  path, skipped = discovery.latest_intact(root)
+  return layout.parse_step(path.name), [(p.name, why.split(':')[0]) for p, why in skipped]
+
+
+def test_checkpoints_above_the_one_a_run_went_back_to_are_never_the_newest(tmp_path):
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
+    _save(mgr, 10, 20, 30, 35, 40)
+  opts = CheckpointOptions(keep=3, mode='sync')
+  with CheckpointManager(tmp_path, opts) as mgr:
+    mgr.continue_from(20)  # --resume=step_00000020
+    assert sorted(abandoned.steps(tmp_path)) == [30, 35, 40]
+    assert json.loads((tmp_path / abandoned.FILE).read_text())['from_step'] == 20
+    assert _newest(tmp_path) == (20, [('step_00000040', 'abandoned'),
+                                      ('step_00000035', 'abandoned'),
+                                      ('step_00000030', 'abandoned')])
+    assert mgr.latest_step() == 20
+    _save(mgr, 25)  # a stop lands here, before the replay reaches step 30
+    assert _newest(tmp_path)[0] == 25
+    assert sorted(layout.committed_steps(tmp_path)) == [10, 20, 25, 30, 35, 40]
+    _save(mgr, 30)  # the replay replaces step 30: it is this history's now
+    assert sorted(abandoned.steps(tmp_path)) == [35, 40]
+    assert _newest(tmp_path)[0] == 30
+    _save(mgr, 38)  # 35 sits between this history's steps: neither counted in keep nor deleted
+    assert sorted(layout.committed_steps(tmp_path)) == [25, 30, 35, 38, 40]  # keep=3: 25, 30, 38
+  with CheckpointManager(tmp_path, opts) as mgr:  # the next start continues from 38
+    mgr.continue_from(_newest(tmp_path)[0])
+    assert sorted(abandoned.steps(tmp_path)) == [40]
+    _save(mgr, 40, 50)
+    assert abandoned.steps(tmp_path) == set() and _newest(tmp_path) == (50, [])
+    mgr.continue_from(50)
+    assert not (tmp_path / abandoned.FILE).exists()  # nothing abandoned: no record
+
+
+def test_abandoned_checkpoints_are_taken_when_nothing_else_is_intact(tmp_path):
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
+    _save(mgr, 10, 20, 30)
+    mgr.continue_from(10)
+  (tmp_path / 'step_00000010' / layout.MANIFEST).write_text('{')  # the one it went back to
+  path, skipped = discovery.latest_intact(tmp_path)
+  assert path.name == 'step_00000030' and [p.name for p, _ in skipped] == []
+
+
+@pytest.mark.parametrize(
+    'record', ['{', '[]', '{"abandoned": {"x": "1"}}', '{"abandoned": 3}', '[' * 100_000])
+def test_a_record_that_is_not_one_is_ignored(tmp_path, record):
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
+    _save(mgr, 10, 20)
+  (tmp_path / abandoned.FILE).write_text(record)
+  assert abandoned.steps(tmp_path) == set() and _newest(tmp_path) == (20, [])
+
+
+def test_a_run_stopped_before_its_replay_resumes_its_own_history(trainer, tmp_path):
+  first = trainer.train(tmp_path, '--config.train.steps=50', *FLAGS)
+  assert first.returncode == 0, first.stderr
+  back = tmp_path / 'checkpoints' / 'step_00000020'
+  # It went back to step 20 and stopped at 25 (its last step here), before replaying 30-50.
+  second = trainer.train(tmp_path, '--config.train.steps=25', *FLAGS, f'--resume={back}')
+  assert second.returncode == 0, second.stderr
+  assert committed_steps(tmp_path) == [10, 20, 25, 30, 40, 50]
+  third = trainer.train(tmp_path, '--config.train.steps=50', *FLAGS)  # the same command again
+  assert third.returncode == 0, third.stderr
+  assert [e['step'] for e in events_of(tmp_path, 'resumed')] == [20, 25]  # not 50
+  assert 'passing over' in third.stderr and 'abandoned' in third.stderr
+  assert abandoned.steps(tmp_path / 'checkpoints') == set()  # the replay replaced 30, 40, 50
+
+
+def test_a_run_stopped_before_its_replay_passes_over_the_remote_s_abandoned_steps(
+    trainer, tmp_path, s3_server):
+  url = s3_server.bucket()
+  remote = (f'--remote={url}', '--remote_lease=off')
+  first = trainer.train(tmp_path, '--config.train.steps=30', *FLAGS, *remote)
+  assert first.returncode == 0, first.stderr
+  assert remote_steps(Store(url)) == [10, 20, 30]
+  back = tmp_path / 'checkpoints' / 'step_00000010'
+  second = trainer.train(tmp_path, '--config.train.steps=15', *FLAGS, *remote, f'--resume={back}')
+  assert second.returncode == 0, second.stderr
+  shutil.rmtree(tmp_path / 'checkpoints' / 'step_00000030')  # `jaxckpt delete`: the remote's stays
+  third = trainer.train(tmp_path, '--config.train.steps=30', *FLAGS, *remote)
+  assert third.returncode == 0, third.stderr
+  assert [e['step'] for e in events_of(tmp_path, 'resumed')] == [10, 15]  # not the remote's 30
+  assert 'passing over remote step 30: abandoned' in third.stderr
+  assert 'fetching step 30' not in third.stderr  # not downloaded only to be passed over
