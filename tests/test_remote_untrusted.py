@@ -16,6 +16,7 @@ stores, with real uploads tampered with in the store.
 - Process 0 names a process that has not begun its part of a step.
 """
 
+import contextlib
 import json
 import os
 import threading
@@ -32,6 +33,7 @@ from jaxckpt.checkpoint import manifest as manifests
 from jaxckpt.checkpoint.errors import CheckpointError
 from jaxckpt.checkpoint.remote import Store, objects
 from jaxckpt.checkpoint.remote.lease import Lease, LeaseError
+from jaxckpt.checkpoint.remote import parts as parts_lib
 from jaxckpt.checkpoint.remote.parts import Parts, Superseded
 from jaxckpt.checkpoint.remote.store import Retries
 from jaxckpt.checkpoint.remote.uploader import Uploader
@@ -302,7 +304,9 @@ def test_a_damaged_lease_someone_keeps_rewriting_is_refused(s3_server):
 
 
 # ------------------------------------------------------------------- a process that says nothing
-def test_process_0_names_a_process_that_began_no_upload_of_its_part():
+@contextlib.contextmanager
+def _two_clients():
+  """Two connected clients of a real coordination service (`jax.distributed`'s own)."""
   from jax._src.lib import _jax
   address = f'127.0.0.1:{free_port()}'
   service = _jax.get_distributed_runtime_service(
@@ -317,18 +321,35 @@ def test_process_0_names_a_process_that_began_no_upload_of_its_part():
   for t in threads:
     t.join(60)
   try:
+    yield clients
+  finally:
+    stopping = [threading.Thread(target=c.shutdown) for c in clients]  # each waits for the other
+    for t in stopping:
+      t.start()
+    for t in stopping:
+      t.join(60)
+    service.shutdown()
+
+
+def _waiting(leader, lines, ended, closing, **bounds):
+
+  def wait():
+    try:
+      leader.wait(5, closing.is_set, lambda: False, lines.append, every=0.05, **bounds)
+      ended.append('returned')
+    except Superseded:
+      ended.append('superseded')
+
+  waiter = threading.Thread(target=wait, daemon=True)
+  waiter.start()
+  return waiter
+
+
+def test_process_0_names_a_process_that_began_no_upload_of_its_part():
+  with _two_clients() as clients:
     leader, other = Parts(0, 2, client=clients[0]), Parts(1, 2, client=clients[1])
     lines, ended, closing = [], [], threading.Event()
-
-    def wait():
-      try:
-        leader.wait(5, closing.is_set, lambda: False, lines.append, every=0.05, silence=1.0)
-        ended.append('returned')
-      except Superseded:
-        ended.append('superseded')
-
-    waiter = threading.Thread(target=wait, daemon=True)
-    waiter.start()
+    waiter = _waiting(leader, lines, ended, closing, silence=1.0)
     deadline = time.monotonic() + 20
     while not lines and time.monotonic() < deadline:
       time.sleep(0.05)
@@ -339,12 +360,25 @@ def test_process_0_names_a_process_that_began_no_upload_of_its_part():
     assert len(lines) == 1, lines
     other.said(5, 'ok')
     waiter.join(10)
-    assert ended == ['returned'] and len(lines) == 1, (ended, lines)
-  finally:
     closing.set()
-    stopping = [threading.Thread(target=c.shutdown) for c in clients]  # each waits for the other
-    for t in stopping:
-      t.start()
-    for t in stopping:
-      t.join(60)
-    service.shutdown()
+    assert ended == ['returned'] and len(lines) == 1, (ended, lines)
+
+
+def test_process_0_gives_up_a_step_whose_upload_stopped_moving(monkeypatch):
+  monkeypatch.setattr(parts_lib, 'MOVING_SECS', 0.0)
+  with _two_clients() as clients:
+    leader, other = Parts(0, 2, client=clients[0]), Parts(1, 2, client=clients[1])
+    lines, ended, closing = [], [], threading.Event()
+    t0 = time.monotonic()
+    waiter = _waiting(leader, lines, ended, closing, silence=60.0, stall=2.0)
+    other.started(5)
+    while time.monotonic() - t0 < 4.0:  # moving for twice the bound: waited for
+      other.moving(5)
+      time.sleep(0.1)
+    assert ended == [] and lines == [], (ended, lines)
+    waiter.join(30)  # then it stops moving: given up within the bound, not waited for forever
+    closing.set()
+    assert ended == ['superseded'], ended
+    assert len(lines) == 1 and lines[0].startswith('E-DIST-002: process(es) 1 moved no upload in '
+                                                   '2 s (process 1: last began step 5): step 5 is '
+                                                   'not committed remotely'), lines

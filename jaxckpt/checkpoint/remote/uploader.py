@@ -185,8 +185,8 @@ class Uploader:
         backoff = min(backoff * 2, _BACKOFF[1])
       except DamagedLocal as e:  # the local copy will not get better: never retried
         self._fail(step, e)
-      except Superseded as e:  # a newer checkpoint is due: the next round uploads it
-        logging.info('step %d is not committed remotely (%s); a newer one is due', step, e)
+      except Superseded as e:  # a newer checkpoint is due, or a process stalled: said already
+        logging.info('step %d is not committed remotely: %s', step, e)
       except Exception as e:  # noqa: BLE001 - a store error of any kind: retried
         self._retry((step, step_dir, records, memory), e, backoff, epoch)
         backoff = min(backoff * 2, _BACKOFF[1])
@@ -214,6 +214,8 @@ class Uploader:
     if self.lease is not None:
       self.lease.writable(what)
     parts = self._parts
+    if parts is not None and not parts.leader and self._busy_step is not None:
+      parts.moving(self._busy_step)  # process 0 hears this upload is not stuck
     if parts is not None and not parts.leader and time.monotonic() - self._stop_asked >= 1.0:
       self._stop_asked = time.monotonic()
       stopped = parts.stopped()
