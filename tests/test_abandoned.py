@@ -7,7 +7,7 @@ import shutil
 
 import jax.numpy as jnp
 import pytest
-from conftest import committed_steps, events_of, remote_steps
+from conftest import committed_steps, events_of, jaxckpt_cli, remote_steps
 
 from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, abandoned, discovery, layout
 from jaxckpt.checkpoint.remote import Store
@@ -104,3 +104,20 @@ def test_a_run_stopped_before_its_replay_passes_over_the_remote_s_abandoned_step
   assert [e['step'] for e in events_of(tmp_path, 'resumed')] == [10, 15]  # not the remote's 30
   assert 'passing over remote step 30: abandoned' in third.stderr
   assert 'fetching step 30' not in third.stderr  # not downloaded only to be passed over
+
+
+def test_inspect_and_delete_of_a_run_see_the_history_it_is_on(tmp_path):
+  root = tmp_path / 'checkpoints'
+  with CheckpointManager(root, CheckpointOptions(keep=0, mode='sync')) as mgr:
+    _save(mgr, 10, 20, 30)
+    mgr.continue_from(10)
+    _save(mgr, 15)
+  shown = jaxckpt_cli('inspect', str(tmp_path))
+  assert shown.returncode == 0 and f'inspecting the newest committed one, {root}/step_00000015' \
+      in shown.stderr, shown.stderr
+  refused = jaxckpt_cli('delete', str(root / 'step_00000015'))
+  assert refused.returncode == 2 and 'E-DELETE-002' in refused.stderr and \
+      'resume from step 10' in refused.stderr, refused.stderr
+  gone = jaxckpt_cli('delete', str(root / 'step_00000030'))  # abandoned: no --newest needed
+  assert gone.returncode == 0, gone.stderr
+  assert sorted(layout.committed_steps(root)) == [10, 15, 20]

@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
-from jaxckpt.checkpoint import atomic, discovery, layout, policy, retention
+from jaxckpt.checkpoint import abandoned, atomic, discovery, layout, policy, retention
 from jaxckpt.checkpoint.discovery import NOT_A_CHECKPOINT
 from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
@@ -78,10 +78,13 @@ def _delete(root: Path, step: int, path: Path, args) -> list[str]:
     why = '; '.join(_why(r, step, records[step]) for r in reasons)
     raise UsageError('E-DELETE-001', f'{path} is kept: {why}',
                      'pass --kept to delete a checkpoint that is kept')
-  if not args.newest and (step == max(committed) or _resumed_from(root) == step):
-    older = [s for s in committed if s < step]
+  # A checkpoint the run abandoned (`abandoned`) is never the one it resumes from.
+  left = abandoned.steps(root, committed)
+  newest = max(set(committed) - left, default=max(committed))
+  if not args.newest and (step == newest or _resumed_from(root) == step):
+    older = [s for s in committed if s < step and s not in left]
     then = f'from step {older[-1]}' if older else 'from scratch'
-    which = 'newest committed' if step == max(committed) else 'newest intact (the newer ones ' \
+    which = 'newest committed' if step == newest else 'newest intact (the newer ones ' \
         'are damaged)'
     raise UsageError(
         'E-DELETE-002', f'{path} is the {which} checkpoint of {root}: the next start would resume '

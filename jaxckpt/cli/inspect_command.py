@@ -22,7 +22,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Mapping
 
-from jaxckpt.checkpoint import discovery, layout, manifest
+from jaxckpt.checkpoint import abandoned, discovery, layout, manifest
 from jaxckpt.cli import remote_args
 from jaxckpt.cli.parser import ArgumentParser
 from jaxckpt.errors import CheckpointError, UsageError
@@ -271,8 +271,9 @@ def _local(arg: str) -> Path:
       layout.parse_step(path.name) is None:
     for root in (path / 'checkpoints', path):
       committed = layout.committed_steps(root)
-      if committed:
-        step_dir = committed[max(committed)]
+      if committed:  # not one the run abandoned when it went back to an older one
+        step_dir = committed[max(
+            set(committed) - abandoned.steps(root, committed), default=max(committed))]
         print(
             f'jaxckpt: {path} holds checkpoints: inspecting the newest committed one, '
             f'{step_dir}',
