@@ -51,6 +51,7 @@ class Agreement:
     self._voted_at: int | None = None  # the step of this process's vote still being counted
     self._decided: list[tuple[int, bool, int]] = []  # (step, save, signal) still ahead
     self._error: JaxckptError | None = None
+    self._total: int | None = None  # the run's last step, once the loop said it
     self._closed = threading.Event()
     if self.cluster.count > 1:
       self._thread = threading.Thread(target=self._vote_loop, name='jaxckpt-agree', daemon=True)
@@ -76,16 +77,17 @@ class Agreement:
       raise self._error
     save = step == total or (not self._clocked and exact())
     with self._cond:
-      self._position = step
+      self._position, self._total = step, total
       deadline = time.monotonic() + self.cluster.timeout_secs
       while self._voted_at is not None and self._voted_at + 1 <= step:  # its outcome first
         if self._error is not None:
           raise self._error
         if not self._cond.wait(timeout=max(0.0, deadline - time.monotonic())):
           raise JaxckptError(
-              'E-DIST-005', f'at step {step}: the other processes did not vote within '
-              f'{self.cluster.timeout_secs:g} s', 'every process must run the same command; a '
-              'lost one is named by the others')
+              'E-DIST-005', f'at step {step}: no outcome of the vote this process cast at step '
+              f'{self._voted_at} within {self.cluster.timeout_secs:g} s (process 0 posts it '
+              'once every process voted)', 'every process must run the same command; a lost '
+              'one is named by the others')
       now = [d for d in self._decided if d[0] == step]
       self._decided = [d for d in self._decided if d[0] != step]
       save = save or any(d[1] for d in now)
@@ -109,6 +111,16 @@ class Agreement:
     return save
 
   def _vote_loop(self) -> None:
+    try:
+      self._votes()
+    except Exception as e:  # pylint: disable=broad-except  # never a silent thread: the loop hears
+      with self._cond:
+        self._error = self._error or JaxckptError(
+            'E-DIST-005', f'the save and stop votes stopped: {type(e).__name__}: {e}',
+            'start every process again with the same command to resume')
+        self._cond.notify_all()
+
+  def _votes(self) -> None:
     client, me = self.cluster.client(), self.cluster.index
     while not self._closed.is_set():
       r = self._round
@@ -144,12 +156,19 @@ class Agreement:
     try:
       for k in range(n):
         left = max(1, int((deadline - time.monotonic()) * 1000))
-        votes[k] = json.loads(client.blocking_key_value_get(f'{_ROUNDS}/{r}/vote/{k}', left))
+        votes[k] = client.blocking_key_value_get(f'{_ROUNDS}/{r}/vote/{k}', left)
     except Exception:  # pylint: disable=broad-except  # the runtime's own error types
       missing = [k for k in range(n) if k not in votes]
       client.key_value_set(
           f'{_ROUNDS}/{r}/outcome', json.dumps({'missing': missing}), allow_overwrite=True)
       return _not_voted(missing, self.cluster.timeout_secs)
+    for k, raw in sorted(votes.items()):
+      votes[k] = _decision(raw, self._total)
+      if votes[k] is None:  # read from the key-value store: a value no process writes
+        line = f'process {k} voted {str(raw)[:80]!r}, not [step, save, signal]'
+        client.key_value_set(
+            f'{_ROUNDS}/{r}/outcome', json.dumps({'bad': line}), allow_overwrite=True)
+        return _bad(line)
     stops = [v[2] for _, v in sorted(votes.items()) if v[2]]
     outcome = [
         max(v[0] for v in votes.values()) + 1,
@@ -163,12 +182,19 @@ class Agreement:
     waits as long for the votes, and posts which were missing when it gives up)."""
     wait_ms = int((2 * self.cluster.timeout_secs + 5) * 1000)
     try:
-      decided = json.loads(client.blocking_key_value_get(f'{_ROUNDS}/{r}/outcome', wait_ms))
+      raw = client.blocking_key_value_get(f'{_ROUNDS}/{r}/outcome', wait_ms)
     except Exception:  # pylint: disable=broad-except
       return _not_voted([0], 2 * self.cluster.timeout_secs + 5, what='post the outcome of')
-    if isinstance(decided, dict):
-      return _not_voted(list(decided.get('missing') or []), self.cluster.timeout_secs)
-    return decided
+    decided = _decision(raw, self._total)
+    if decided is not None:
+      return decided
+    told = _loads(raw)
+    if isinstance(told, dict) and isinstance(told.get('bad'), str):
+      return _bad(told['bad'][:200])
+    missing = told.get('missing') if isinstance(told, dict) else None
+    if isinstance(missing, list) and all(type(k) is int for k in missing):  # pylint: disable=unidiomatic-typecheck
+      return _not_voted(missing, self.cluster.timeout_secs)
+    return _bad(f'process 0 posted the outcome {str(raw)[:80]!r}, not [step, save, signal]')
 
   def close(self) -> None:
     self._closed.set()
@@ -180,3 +206,32 @@ def _not_voted(missing: list[int], secs: float, what: str = 'vote on') -> Jaxckp
   return JaxckptError('E-DIST-005',
                       f'process(es) {missing} did not {what} a save or stop within {secs:g} s',
                       'every process must run the same command; a lost one is named by the others')
+
+
+_SIGNALS = {0} | {int(s) for s in signals.STOP_SIGNALS}
+
+
+def _loads(raw) -> object:
+  try:
+    return json.loads(raw)
+  except (TypeError, ValueError, RecursionError):
+    return None
+
+
+def _decision(raw, total: int | None) -> list | None:
+  """A vote or an outcome as a process writes it, [step, save, stop signal or 0], or None: a step
+  that is not a whole number from 0 to the run's last, a save that is not true or false, a
+  signal that is not a stop signal."""
+  got = _loads(raw)
+  if not isinstance(got, list) or len(got) != 3:
+    return None
+  step, save, stop = got
+  if type(step) is not int or step < 0 or (total is not None and step > total + 1) or \
+      type(save) is not bool or type(stop) is not int or stop not in _SIGNALS:  # pylint: disable=unidiomatic-typecheck
+    return None
+  return got
+
+
+def _bad(line: str) -> JaxckptError:
+  return JaxckptError('E-DIST-005', f'a save or stop vote that is not one: {line}',
+                      'start every process again with the same command to resume')

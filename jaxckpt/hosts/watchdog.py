@@ -39,6 +39,24 @@ def _try_get(client, key: str) -> str | None:
     raise
 
 
+def _verdict(raw: str, count: int) -> dict[str, Any] | None:
+  """Process 0's verdict as `_tell` writes it ({'started': line} or {'lost': [k...], 'why':
+  line}), or None when it is not one (read from the key-value store: checked)."""
+  try:
+    told = json.loads(raw)
+  except (ValueError, RecursionError):
+    return None
+  if not isinstance(told, dict):
+    return None
+  if isinstance(told.get('started'), str):
+    return told
+  lost, why = told.get('lost'), told.get('why')
+  if isinstance(why, str) and isinstance(lost, list) and lost and all(
+      type(k) is int and 0 <= k < count for k in lost):  # pylint: disable=unidiomatic-typecheck
+    return told
+  return None
+
+
 class Watchdog(threading.Thread):
   """Signs of life in the key-value store; a process silent for `heartbeat_secs` is lost.
 
@@ -95,10 +113,13 @@ class Watchdog(threading.Thread):
         self._finished.wait(self.period)
         continue
       if verdict:  # process 0 found a process failed at start, failed or lost
-        told = json.loads(verdict)
-        if 'started' in told:
+        told = _verdict(verdict, self.cluster.count)
+        if told is None:  # never a dead watchdog: process 0 would find this process silent
+          self._stop_all([0], f'its verdict is not one: {verdict[:80]!r}', timed=False)
+        elif 'started' in told:
           return self._stop_started(told['started'])
-        self._stop_all(told['lost'], told['why'])
+        else:
+          self._stop_all(told['lost'], told['why'])
       for k in watched:
         value = alive.get(f'{_PREFIX}/alive/{k}')
         if value == 'done':  # ended as it should: never lost
@@ -143,8 +164,9 @@ class Watchdog(threading.Thread):
       print(f'jaxckpt: {line}', file=sys.stderr, flush=True)
       os._exit(2)  # pylint: disable=protected-access  # as E-DIST-009 from `together`
 
-  def _stop_all(self, lost: list[int], why: str) -> None:
-    how = why if why == 'it failed' else f'{why} for {self.cluster.heartbeat_secs:g} s'
+  def _stop_all(self, lost: list[int], why: str, timed: bool = True) -> None:
+    timed = timed and why != 'it failed'
+    how = f'{why} for {self.cluster.heartbeat_secs:g} s' if timed else why
     line = (f'E-DIST-006: process(es) {lost} of {self.cluster.count} lost ({how}); this '
             'process stops too, nothing partial is '
             'committed; start every process again with the same command to resume from the last '

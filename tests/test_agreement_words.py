@@ -1,0 +1,119 @@
+"""The save and stop votes across processes (`jaxckpt.hosts.agreement`) read each other's words
+from the key-value store: a vote or an outcome that is not one a process writes stops the run
+with one E-DIST-005 line naming it, at once, never a dead vote thread and an unnamed timeout."""
+
+import threading
+import time
+
+import pytest
+
+from jaxckpt.errors import JaxckptError
+from jaxckpt.hosts import agreement
+
+
+class _Store:
+  """The key-value calls the votes make, in memory (the real store is `jax.distributed`'s)."""
+
+  def __init__(self):
+    self.values, self.cond = {}, threading.Condition()
+
+  def key_value_set(self, key, value, allow_overwrite=False):
+    with self.cond:
+      self.values[key] = value
+      self.cond.notify_all()
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    with self.cond:
+      if not self.cond.wait_for(lambda: key in self.values, timeout_ms / 1000):
+        raise RuntimeError(f'DEADLINE_EXCEEDED: {key}')
+      return self.values[key]
+
+  def key_value_delete(self, key):
+    with self.cond:
+      for k in [k for k in self.values if k.startswith(key)]:
+        del self.values[k]
+
+
+class _Cluster:
+  count, timeout_secs = 2, 20.0  # a refusal comes at once, long before this
+
+  def __init__(self, index, store):
+    self.index, self.leader, self._store = index, index == 0, store
+
+  def client(self):
+    return self._store
+
+
+class _Watcher:
+  stop_signal = None
+
+  def take_save_request(self):
+    return False
+
+
+def _agreement(index, store):
+  agree = agreement.Agreement(_Watcher(), 0, cluster=_Cluster(index, store))
+  return agree
+
+
+def _step(agree, step, want=False):
+  return agree.save_now(step, 100, lambda: False, lambda: want)
+
+
+def _voted(agree, store, step=1):
+  """`step`'s save asked for a round; returns once this process's vote thread voted in it."""
+  _step(agree, step, want=True)
+  store.blocking_key_value_get(f'jaxckpt/run/round/0/vote/{agree.cluster.index}', 5000)
+
+
+@pytest.mark.parametrize('vote', [
+    '[1]', '"x"', '[1, true]', '[99999999999, false, 0]', '[1, 1, 0]', '[1, false, 99]',
+    '[-1, false, 0]', 'not json'
+])
+def test_process_0_refuses_a_vote_that_is_not_one(vote):
+  store = _Store()
+  agree = _agreement(0, store)
+  try:
+    _voted(agree, store)
+    store.key_value_set('jaxckpt/run/round/0/vote/1', vote)  # process 1's word
+    t0 = time.monotonic()
+    with pytest.raises(JaxckptError, match='E-DIST-005') as e:
+      _step(agree, 2)
+    assert time.monotonic() - t0 < 10, 'refused at once, not after the timeout'
+    assert f'process 1 voted {vote[:20]!r}'[:-1] in str(e.value), str(e.value)
+    with pytest.raises(JaxckptError, match='E-DIST-005'):  # and every later step
+      _step(agree, 3)
+  finally:
+    agree.close()
+
+
+@pytest.mark.parametrize(
+    'outcome',
+    ['[99999999999, false, 0]', '[5]', '5', '{"missing": 7}', '[5, false, 99]', '{"x": 1}'])
+def test_another_process_refuses_an_outcome_that_is_not_one(outcome):
+  store = _Store()
+  agree = _agreement(1, store)
+  try:
+    _voted(agree, store)
+    store.key_value_set('jaxckpt/run/round/0/outcome', outcome)  # process 0's word
+    t0 = time.monotonic()
+    with pytest.raises(JaxckptError, match='E-DIST-005') as e:
+      _step(agree, 2)
+    assert time.monotonic() - t0 < 10, 'refused at once, not after the timeout'
+    assert 'a save or stop vote that is not one: process 0 posted the outcome' in str(e.value)
+  finally:
+    agree.close()
+
+
+def test_a_vote_that_is_one_is_agreed():
+  store = _Store()
+  agree = _agreement(0, store)
+  try:
+    _voted(agree, store)
+    store.key_value_set('jaxckpt/run/round/0/vote/1', '[3, false, 0]')  # process 1 is at step 3
+    assert _step(agree, 2) is False
+    assert _step(agree, 3) is False
+    assert _step(agree, 4) is True  # after max(votes) + 1, on every process
+    assert store.values['jaxckpt/run/round/0/outcome'] == '[4, true, 0]'
+  finally:
+    agree.close()
