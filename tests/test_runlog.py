@@ -1,6 +1,7 @@
 import json
 
-from jaxckpt.records.runlog import LOSSES, RunLog, read_jsonl, read_loss_history, read_status
+from jaxckpt.records.runlog import (LOSSES, RunLog, read_evals, read_jsonl, read_loss_history,
+                                    read_status)
 
 
 def test_a_line_cut_by_a_crash_costs_only_itself(tmp_path):
@@ -33,3 +34,25 @@ def test_status_is_replaced_whole(tmp_path):
   log.status(step=2)
   status = read_status(tmp_path)
   assert status['state'] == 'running' and status['step'] == 2 and 'pid' in status
+
+
+def test_steps_a_later_start_went_back_past_are_not_the_history(tmp_path):
+  """Logged to 40, resumed from the checkpoint of step 20 and stopped at 30: the history ends at
+  30, as TensorBoard shows it; steps 31-40 belong to the abandoned attempt."""
+  first = RunLog(tmp_path)
+  first.event('started', step=0)
+  first.losses([{'step': s, 'loss': 1.0} for s in range(1, 41)])
+  first.event('eval', step=20, heldout_loss=5.0)
+  first.event('eval', step=40, heldout_loss=4.0)
+  second = RunLog(tmp_path)
+  second.event('started', step=20)
+  second.losses([{'step': s, 'loss': 2.0} for s in range(21, 31)])
+  second.event('eval', step=30, heldout_loss=3.0)
+  history = read_loss_history(tmp_path)
+  assert max(history) == 30 and len(history) == 30
+  assert {r['loss'] for s, r in history.items() if s > 20} == {2.0}
+  assert read_evals(read_jsonl(tmp_path / 'events.jsonl')) == {20: 5.0, 30: 3.0}
+  third = RunLog(tmp_path)  # a resume from 30 logs on: nothing of the second is dropped
+  third.event('started', step=30)
+  third.losses([{'step': 31, 'loss': 3.0}])
+  assert max(read_loss_history(tmp_path)) == 31 and len(read_loss_history(tmp_path)) == 31

@@ -366,3 +366,5 @@ def test_a_second_stop_signal_marks_the_status_interrupted(trainer, tmp_path):
   st = read_status(tmp_path)
   assert st['state'] == 'interrupted' and st['signal'] == second, st  # not `running`
   assert f'a second {second}' in st['error'] and st['pid'] == proc.pid
+  ends = events_of(tmp_path, 'interrupted')  # the start's end record: a Ctrl-C is no lost machine
+  assert [(e['signal'], e['exited_at_once']) for e in ends] == [(second, True)]

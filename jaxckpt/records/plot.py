@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jaxckpt.checkpoint import atomic
 from jaxckpt.errors import UsageError
-from jaxckpt.records.runlog import EVENTS, read_jsonl, read_loss_history
+from jaxckpt.records.runlog import EVENTS, read_evals, read_jsonl, read_loss_history
 from jaxckpt.records.workdir import LOSSES
 
 DEFAULT_NAME = 'loss.png'
@@ -43,9 +43,10 @@ def plot(workdir: str | Path, out: str | Path | None = None) -> Path:
     ax.axvline(
         step, color=color, ls=style, lw=1.0, alpha=0.8, label=None if kind in labelled else label)
     labelled.add(kind)
-  evals = [(e['step'], e['heldout_loss']) for e in events if e['event'] == 'eval']
+  evals = read_evals(events)  # the history as it stands: abandoned steps left out
   if evals:
-    ax.plot(*zip(*evals), 'o-', ms=3, color='tab:orange', label='held-out loss')
+    ax.plot(
+        list(evals), list(evals.values()), 'o-', ms=3, color='tab:orange', label='held-out loss')
   ax.set_xlabel('step')
   ax.set_ylabel('loss')
   ax.set_title(

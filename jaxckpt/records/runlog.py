@@ -6,7 +6,7 @@
 - `events.jsonl` and `loss.jsonl` are append-only. A crash can cut their last line short; readers
   skip a line that does not parse. The loss history is never rewritten: steps replayed after a
   resume are appended again under a new `segment`, and `read_loss_history` keeps the newest
-  segment's value for each step.
+  segment's value for each step, and leaves out the steps a later start went back past.
 - With `mirror(scalars)`, the loss rows and the `eval` and `checkpoint` events also go to
   TensorBoard event files (`jaxckpt.records.tensorboard`), after the line is written here.
 """
@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -39,14 +40,50 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
   return rows
 
 
+def cuts(events: list[dict[str, Any]]) -> list[float]:
+  """For each segment (each start, in order), the step past which its records are void: a later
+  start that went back to an older checkpoint abandoned what this one logged after it."""
+  starts = [e.get('step') for e in events if e.get('event') == 'started']
+  starts = [s if isinstance(s, int) else math.inf for s in starts]
+  out, lowest = [], math.inf
+  for step in reversed(starts):
+    out.append(lowest)
+    lowest = min(lowest, step)
+  return out[::-1]
+
+
+def current(rows: Iterable[tuple[int, int, Any]], events: list[dict[str, Any]]) -> dict[int, Any]:
+  """{step: value} of (step, segment, value) records: for each step, the newest segment's, left
+  out where a later start went back past it (the run's history as it stands)."""
+  limit = cuts(events)
+  best: dict[int, tuple[int, Any]] = {}
+  for step, segment, value in rows:
+    if segment < len(limit) and step > limit[segment]:
+      continue
+    if step not in best or segment >= best[step][0]:
+      best[step] = (segment, value)
+  return {step: best[step][1] for step in sorted(best)}
+
+
 def read_loss_history(workdir: str | os.PathLike) -> dict[int, dict[str, Any]]:
-  """{step: row} with, for each step, the row of the newest segment that trained it."""
-  best: dict[int, dict[str, Any]] = {}
-  for row in read_jsonl(Path(workdir) / LOSSES):
-    old = best.get(row['step'])
-    if old is None or row['segment'] >= old['segment']:
-      best[row['step']] = row
-  return dict(sorted(best.items()))
+  """{step: row} with, for each step, the row of the newest segment that trained it; the steps a
+  later start went back past (a resume from an older checkpoint) are not in it, as TensorBoard's
+  restart marker drops them there."""
+  workdir = Path(workdir)
+  rows = read_jsonl(workdir / LOSSES)
+  return current(((r['step'], r['segment'], r) for r in rows), read_jsonl(workdir / EVENTS))
+
+
+def read_evals(events: list[dict[str, Any]]) -> dict[int, float]:
+  """{step: held-out loss} of the `eval` events, by the same rule (an event's segment is the
+  start it follows)."""
+  rows, segment = [], -1
+  for e in events:
+    if e.get('event') == 'started':
+      segment += 1
+    elif e.get('event') == 'eval':
+      rows.append((e['step'], segment, e['heldout_loss']))
+  return current(rows, events)
 
 
 class RunLog:
@@ -98,6 +135,8 @@ class RunLog:
     self._append(LOSSES, ({**r, 'segment': self.segment} for r in rows), sync=True)
 
   def _exited_now(self, name: str) -> None:
+    # The end record of this start, as a stop's is (a second Ctrl-C is no machine lost).
+    self.event('interrupted', step=self._status.get('step'), signal=name, exited_at_once=True)
     self.status(
         state='interrupted',
         signal=name,
