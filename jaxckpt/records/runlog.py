@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -20,9 +21,10 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from jaxckpt.checkpoint import atomic, signals
+from jaxckpt.errors import JaxckptError
 from jaxckpt.records.workdir import EVENTS, LOSSES, STATUS
 
 
@@ -98,6 +100,7 @@ class RunLog:
     self.segment = sum(1 for e in read_jsonl(self.workdir / EVENTS) if e['event'] == 'started')
     self._scalars = None  # a `tensorboard.Scalars`, or None
     self._unhook = lambda: None
+    self.started = False
 
   def mirror(self, scalars) -> None:
     """Also hand what `losses` and `event` write to `scalars` (a `tensorboard.Scalars`)."""
@@ -115,7 +118,7 @@ class RunLog:
     data = ''.join(json.dumps(r, separators=(',', ':')) + '\n' for r in rows)
     if not data:
       return
-    with self._lock, open(self.workdir / name, 'a+b') as f:
+    with self._lock, _written(self.workdir / name), open(self.workdir / name, 'a+b') as f:
       # A crash can leave the last line cut short; start on a fresh line so only that one
       # record is lost, not the next one too.
       if f.tell() and (f.seek(f.tell() - 1), f.read(1))[1] != b'\n':
@@ -129,6 +132,7 @@ class RunLog:
       scalars.records(name, rows)
 
   def event(self, event: str, **fields: Any) -> None:
+    self.started |= event == 'started'  # from here on, a failure is this start's end record
     self._append(EVENTS, [{'event': event, 'time': time.time(), **fields}], sync=True)
 
   def losses(self, rows: Iterable[Mapping[str, Any]]) -> None:
@@ -150,7 +154,21 @@ class RunLog:
         # A second stop signal exits at once: the status says so, not `running` for a dead pid.
         self._unhook = signals.on_exit_now(self._exited_now)
       self._status.update(fields, updated_at=time.time())
-      atomic.write_json_durably(self.workdir / STATUS, self._status)
+      with _written(self.workdir / STATUS):
+        atomic.write_json_durably(self.workdir / STATUS, self._status)
+
+
+@contextlib.contextmanager
+def _written(path: Path) -> Iterator[None]:
+  """A record that cannot be written (a full or failing disk, a directory where the file goes)
+  is one line, E-RECORD-001, not a traceback."""
+  try:
+    yield
+  except OSError as e:
+    raise JaxckptError(
+        'E-RECORD-001', f'cannot write the run record {path}: {e.strerror or e}',
+        "free space on (or fix) the workdir's disk, then run the same command: it resumes from "
+        'the last committed checkpoint') from None
 
 
 def read_status(workdir: str | os.PathLike) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from absl import logging
 
 from jaxckpt.checkpoint import CheckpointError, CheckpointManager, CommitInfo, signals
 from jaxckpt.checkpoint.manifest import commit_label
-from jaxckpt.errors import UsageError, exit_code
+from jaxckpt.errors import JaxckptError, UsageError, exit_code
 from jaxckpt.export import during_training
 from jaxckpt.hosts import agreement, distributed, peer_start, stepwatch
 from jaxckpt.hosts.remote import RemoteRun
@@ -261,9 +261,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
         logging.error('while stopping after %s: the checkpoint in flight failed too: %s',
                       type(e).__name__, close_error)
         runlog.event('save_failed', error=f'{type(close_error).__name__}: {close_error}')
-      if not (isinstance(e, CheckpointError) and exit_code(e) == 2):  # usage: nothing ran
-        runlog.event('failed', error=f'{type(e).__name__}: {e}')
-        runlog.status(state='failed', error=f'{type(e).__name__}: {e}')
+      # A refusal before the start (exit 2) ran nothing; after it, a failure ends this start.
+      if runlog.started or not (isinstance(e, CheckpointError) and exit_code(e) == 2):
+        with contextlib.suppress(JaxckptError):  # a disk that takes no record: `e` stands
+          runlog.event('failed', error=f'{type(e).__name__}: {e}')
+          runlog.status(state='failed', error=f'{type(e).__name__}: {e}')
       raise
     finally:
       try:
