@@ -8,7 +8,7 @@ import time
 import pytest
 
 from jaxckpt.errors import JaxckptError
-from jaxckpt.hosts import agreement
+from jaxckpt.hosts import agreement, distributed
 
 
 class _Store:
@@ -117,3 +117,24 @@ def test_a_vote_that_is_one_is_agreed():
     assert store.values['jaxckpt/run/round/0/outcome'] == '[4, true, 0]'
   finally:
     agree.close()
+
+
+class _Gone(_Store):
+
+  def blocking_key_value_get(self, key, timeout_ms):
+    raise RuntimeError('UNAVAILABLE: failed to connect to the coordination service')
+
+
+def test_a_wait_for_a_word_says_how_long_it_waited_and_why_it_ended():
+  cluster = _Cluster(1, _Gone())
+  with pytest.raises(JaxckptError, match='E-DIST-005') as e:
+    distributed.wait_word(cluster, 'jaxckpt/run/lock', "the workdir lock (process 0's word)")
+  line = str(e.value)
+  assert "waited 0.0 s for the workdir lock (process 0's word) (the store failed: UNAVAILABLE" \
+      in line, line
+  assert f'{cluster.timeout_secs:g} s' not in line  # it did not wait the whole timeout
+  t0 = time.monotonic()
+  with pytest.raises(JaxckptError, match='no answer in time') as e:
+    distributed.wait_word(
+        _Cluster(1, _Store()), 'jaxckpt/run/x', 'x (process 0)', deadline=time.monotonic() + 0.3)
+  assert time.monotonic() - t0 < 5 and 'raise --barrier_timeout_secs' in str(e.value)

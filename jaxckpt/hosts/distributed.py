@@ -226,7 +226,7 @@ class _Follower:
     self.workdir = workdir
 
   def __enter__(self):
-    word = wait_word(_cluster, f'{_PREFIX}/lock', 'the workdir lock')
+    word = wait_word(_cluster, f'{_PREFIX}/lock', "the workdir lock (process 0's word)")
     if word != 'ok':
       raise UsageError('E-LOCK-001', f'process 0 could not take the lock of {self.workdir}: {word}',
                        'one workdir has one run (of any number of processes)')
@@ -256,39 +256,50 @@ def run_lock(workdir: str | os.PathLike):
   return _Leader(workdir) if leader() else _Follower(Path(workdir))
 
 
-def first_problem(name: str, problem: str | None) -> str | None:
+def first_problem(name: str, problem: str | None, timeout: float | None = None) -> str | None:
   """This process's `problem` (None: none) or, across processes, the first any one of them
-  reports under `name`: the same answer on every process."""
+  reports under `name`: the same answer on every process. `timeout`: how long a process waits
+  for the others (default `--barrier_timeout_secs`)."""
   if _cluster.count == 1:
     return problem
-  return _decide(name, problem or '', lambda values: next((v for v in values if v), '')) or None
+  return _decide(name, problem or '', lambda values: next(
+      (v for v in values if v), ''), timeout) or None
 
 
-def _decide(name: str, value: str, decide: Callable[[list[str]], str]) -> str:
+def _decide(name: str,
+            value: str,
+            decide: Callable[[list[str]], str],
+            timeout: float | None = None) -> str:
   """Post this process's `value` under `name`; `decide(every process's, in process order)`, the
   same on every process. Process 0 gathers the values and posts its decision: each other
-  process sends one value and reads one answer, whatever the process count."""
+  process sends one value and reads one answer, whatever the process count. One deadline for
+  all the values process 0 waits for."""
   client, key = _cluster.client(), f'{_PREFIX}/{name}'
+  deadline = time.monotonic() + (timeout or _cluster.timeout_secs)
   if not _cluster.leader:
     client.key_value_set(f'{key}/{_cluster.index}', value, allow_overwrite=True)
-    return wait_word(_cluster, f'{key}/answer', f"{name} (process 0's answer)")
+    return wait_word(_cluster, f'{key}/answer', f"{name} (process 0's answer)", deadline)
   values = [value] + [
-      wait_word(_cluster, f'{key}/{k}', f'{name} (process {k})') for k in range(1, _cluster.count)
+      wait_word(_cluster, f'{key}/{k}', f'{name} (process {k})', deadline)
+      for k in range(1, _cluster.count)
   ]
   answer = decide(values)
   client.key_value_set(f'{key}/answer', answer, allow_overwrite=True)
   return answer
 
 
-def together(name: str, fn: Callable[[], Any], undo: Callable[[Any], None] = lambda r: None):
+def together(name: str,
+             fn: Callable[[], Any],
+             undo: Callable[[Any], None] = lambda r: None,
+             timeout: float | None = None):
   """`fn()` on every process. An error on any one stops them all at once, instead of leaving
   the others waiting for it: that process raises its own, the others E-DIST-009 quoting it
-  (after `undo(what fn returned)` on them)."""
+  (after `undo(what fn returned)` on them). `timeout`: as `first_problem`'s (a longer `fn`)."""
   try:
     result, problem = fn(), None
   except CheckpointError as e:
     result, problem = None, e
-  other = first_problem(name, problem and problem.line())
+  other = first_problem(name, problem and problem.line(), timeout)
   if problem is not None:
     raise problem
   if other is not None:
@@ -315,16 +326,28 @@ def agree(name: str, value: str, what: str) -> None:
         '(README: Many hosts)')
 
 
+DOWNLOAD_FLOOR = 10e6  # bytes/s: the slowest download a wait for process 0's is sized for
+
+
+def download_secs(nbytes: int) -> float:
+  """How long the other processes wait for process 0's start-up download of an `nbytes` state:
+  `--barrier_timeout_secs` plus that state at DOWNLOAD_FLOOR (a download that stops moving is
+  the download's own error, E-STORE-016, long before)."""
+  return _cluster.timeout_secs + nbytes / DOWNLOAD_FLOOR
+
+
 def shared_workdir(workdir: Path, *, remote: bool, config) -> bool:
   """Whether every process sees `workdir` as one filesystem (`joining.shared_workdir`)."""
   return joining.shared_workdir(_cluster, workdir, remote=remote, config=config)
 
 
-def wait_word(cluster: Cluster, key: str, what: str) -> str:
-  """The value another process posts at `key`, waited for at most `cluster.timeout_secs`, in
-  slices: a process that failed at start (`Watchdog`) ends the wait at once. E-DIST-005 names
-  `what` after the timeout."""
-  deadline = time.monotonic() + cluster.timeout_secs
+def wait_word(cluster: Cluster, key: str, what: str, deadline: float | None = None) -> str:
+  """The value another process posts at `key` (`what`: which process, and what of), waited for
+  until `deadline` (a `time.monotonic()`; default `cluster.timeout_secs` from now), in slices: a
+  process that failed at start (`Watchdog`) ends the wait at once. E-DIST-005 names `what`, how
+  long it was waited for and why the wait ended."""
+  began = time.monotonic()
+  deadline = began + cluster.timeout_secs if deadline is None else deadline
   while True:
     if _peer_stopped:
       raise UsageError('E-DIST-009', _peer_stopped[0],
@@ -337,7 +360,9 @@ def wait_word(cluster: Cluster, key: str, what: str) -> str:
         continue
       error = e
       break
+  waited = time.monotonic() - began
+  why = 'no answer in time' if 'DEADLINE_EXCEEDED' in str(error) else 'the store failed'
   raise JaxckptError(
-      'E-DIST-005', f'waited {cluster.timeout_secs:g} s for {what} from the other processes: '
-      f'{" ".join(str(error).split())[:160]}', 'start every process of the job (same flags but '
-      '--process_id); a lost one is named by the others')
+      'E-DIST-005', f'waited {waited:.1f} s for {what} ({why}: '
+      f'{" ".join(str(error).split())[:160]})', 'start every process of the job (same flags but '
+      '--process_id); a lost one is named by the others; a slow one: raise --barrier_timeout_secs')

@@ -162,12 +162,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
                      remote.start_step, remote.store.url)
       trainer.compile_train_step(remote.start_step)
 
-    distributed.together(
-        'remote_synced', lambda: remote and remote.sync_down(
+    distributed.together(  # the others wait for process 0's download: bounded by its size
+        'remote_synced',
+        lambda: remote and remote.sync_down(
             ckpt_dir,
             resume=resume,
             fetch=fetched_here and distributed.leader(),
-            meanwhile=compile_first if fetched_here else None))
+            meanwhile=compile_first if fetched_here else None),
+        timeout=trainer and distributed.download_secs(tree_nbytes(trainer.abstract_state())))
     if shared or resume != 'latest':
       resume_dir = distributed.together('resume_point',
                                         lambda: resume_lib.find_resume_point(resume, ckpt_dir))
