@@ -65,12 +65,24 @@ _TIMEOUT_DEFAULTS = {
     'init_timeout_secs': 300, 'heartbeat_timeout_secs': 60, 'barrier_timeout_secs': 600
 }
 
+# The watchdog posts a sign of life every 0.2 s at best (`watchdog.Watchdog.period`): a shorter
+# silence than this is no sign of a lost process, and a healthy job would stop at once.
+_TIMEOUT_FLOORS = {'heartbeat_timeout_secs': 1.0}
+
 
 def check_timeout(name: str, value: float) -> None:
+  """E-CONFIG-004 (exit 2) unless `value` is a positive, finite number of seconds, and at least
+  the flag's floor where it has one (`--heartbeat_timeout_secs`: 1 s)."""
+  example = f'e.g. --{name}={_TIMEOUT_DEFAULTS.get(name, 300)}'
   if not 0 < value < math.inf:  # NaN and inf are no time to wait
+    raise UsageError('E-CONFIG-004', f'--{name}={value:g} is not a positive number of seconds',
+                     f'pass a number of seconds > 0, {example}')
+  floor = _TIMEOUT_FLOORS.get(name)
+  if floor is not None and value < floor:
     raise UsageError(
-        'E-CONFIG-004', f'--{name}={value:g} is not a positive number of seconds',
-        f'pass a number of seconds > 0, e.g. --{name}={_TIMEOUT_DEFAULTS.get(name, 300)}')
+        'E-CONFIG-004', f'--{name}={value:g} is below its floor of {floor:g} s (the processes '
+        'post signs of life every 0.2 s at best: a healthy job would be found lost)',
+        f'pass {floor:g} s or more, {example}')
 
 
 _JOB_FIX = ('pass --coordinator_address=HOST:PORT, --num_processes=N and --process_id=0..N-1 on '
@@ -232,12 +244,23 @@ def leave(cluster, prefix: str, code: int) -> None:
   try:
     client = cluster.client()
     client.key_value_set(f'{prefix}/{cluster.index}', 'gone', allow_overwrite=True)
-    deadline = time.monotonic() + LEAVE_SECS
-    for k in range(cluster.count):
-      client.blocking_key_value_get(f'{prefix}/{k}',
-                                    int(max(1, 1000 * (deadline - time.monotonic()))))
-    together = True
-  except Exception:  # pylint: disable=broad-except  # gone, or not leaving: exit anyway
+    deadline = time.monotonic() + LEAVE_SECS  # one for all: past it, each read is 1 ms
+    silent = []
+    for k in (k for k in range(cluster.count) if k != cluster.index):
+      try:
+        client.blocking_key_value_get(f'{prefix}/{k}',
+                                      int(max(1, 1000 * (deadline - time.monotonic()))))
+      except Exception:  # pylint: disable=broad-except  # not leaving in time: named below
+        silent.append(k)
+    together = not silent
+    if silent:
+      print(
+          f'jaxckpt: process(es) {silent} of {cluster.count} did not say they were leaving within '
+          f"{LEAVE_SECS:g} s: exiting without them (and without JAX's shutdown, which would wait "
+          'for them)',
+          file=sys.stderr,
+          flush=True)
+  except Exception:  # pylint: disable=broad-except  # the coordinator is gone: exit anyway
     pass
   logging.flush()
   sys.stdout.flush()

@@ -88,24 +88,53 @@ def resume_point(run, ckpt_dir: Path, target: Any, timeout_secs: float) -> Path 
   logging.info(
       'step %d from the peer tier in %.1f s: %s MB from this disk, %s MB from peers, '
       '%s MB from %s', got.step, seconds, mb['own'], mb['peers'], mb['remote'], run.store.url)
-  if every is not None:
-    run.restored = {
-        'step': got.step, 'seconds': seconds, 'processes': [json.loads(v) for v in every]
-    }
+  processes = None if every is None else _process_sources(every, group.count)
+  if processes is not None:
+    run.restored = {'step': got.step, 'seconds': seconds, 'processes': processes}
   return got.path
+
+
+_SOURCES = ('own', 'peers', 'remote')
+
+
+def _process_sources(every: list[str], count: int) -> list[dict[str, int]] | None:
+  """Each process's {'own', 'peers', 'remote'} bytes from what the processes posted (`every`,
+  in process order); None, with one warning, when that is not `count` of them, each a JSON
+  object of non-negative integers: the `resumed` event then goes without them."""
+  processes, bad = [], None
+  if len(every) != count:
+    bad = f'{len(every)} value(s) posted by {count} processes'
+  for k, raw in enumerate(every if bad is None else []):
+    try:
+      value = json.loads(raw)
+    except (TypeError, ValueError, RecursionError):
+      value = None
+    if not (isinstance(value, dict)
+            and all(type(value.get(name)) is int and value[name] >= 0 for name in _SOURCES)):
+      bad = f'process {k} posted {str(raw)[:80]!r}'
+      break
+    processes.append({name: value[name] for name in _SOURCES})
+  if bad is not None:
+    logging.warning(
+        "the 'resumed' event goes without each process's sources (bytes from its disk, peers "
+        'and remote): %s (each posts {"own": N, "peers": N, "remote": N}, N >= 0)', bad)
+    return None
+  return processes
 
 
 def _on_ram(path: Path) -> bool:
   """Whether `path` is on tmpfs or ramfs (the local tier then costs host memory)."""
   best, kind = '', ''
   try:
+    where = str(path.resolve())
     with open('/proc/mounts', encoding='utf-8') as f:
       for line in f:
         fields = line.split()
         mount = fields[1]
-        if str(path.resolve()).startswith(mount.rstrip('/') + '/') and len(mount) > len(best):
+        under = where == mount or where.startswith(mount.rstrip('/') + '/')
+        if under and len(mount) >= len(best):  # the last of those at one path covers the others
           best, kind = mount, fields[2]
-  except OSError:
+  except (OSError, RuntimeError):
     return False
   return kind in ('tmpfs', 'ramfs')
 

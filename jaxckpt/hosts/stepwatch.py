@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import faulthandler
+import math
 import os
 import statistics
 import sys
@@ -39,12 +40,14 @@ PAUSED_MIN_SECS = 3600.0  # an evaluation or the samples between two steps
 
 
 def check(timeout_secs: float | None) -> None:
-  """E-CONFIG-004 (exit 2) unless `timeout_secs` is None or positive."""
-  if timeout_secs is not None and not timeout_secs > 0:
+  """E-CONFIG-004 (exit 2) unless `timeout_secs` is None (the flag left out: the default) or a
+  positive, finite number of seconds. No value turns the watchdog off: inf would, silently, so
+  it is refused as the other timeout flags refuse it."""
+  if timeout_secs is not None and not 0 < timeout_secs < math.inf:  # NaN too
     raise UsageError(
-        'E-CONFIG-004', f'--step_timeout_secs={timeout_secs:g} is not positive',
-        'pass a number of seconds a step may take, or leave it out (the default: '
-        'max(600, 50 x the median step))')
+        'E-CONFIG-004', f'--step_timeout_secs={timeout_secs:g} is not a positive number of '
+        'seconds', 'pass a number of seconds a step may take, e.g. --step_timeout_secs=1800, or '
+        'leave it out (the default: max(600, 50 x the median step))')
 
 
 def timeout(fixed: float | None, intervals, *, warming: bool) -> float:
