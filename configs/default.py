@@ -22,8 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict()
   # Named sources -> their files, in order (text, uint16 .bin shards, memory-mapped; globs like
   # 'data/train_*.bin'; or 'embedded': the corpus shipped with jaxckpt). A flag may give
-  # `--config.data.sources.main=a.bin,b.bin`. With several sources the bandit picks the source
-  # of each batch.
+  # `"--config.data.sources.main='data/a.bin,data/b.bin'"` (quoted twice). With several sources
+  # the bandit picks the source of each batch.
   config.data.sources = ml_collections.ConfigDict({'main': ('embedded',)})
   config.data.heldout_fraction = 0.05  # tail of the tokens kept for evaluation
 

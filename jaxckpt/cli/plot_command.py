@@ -15,7 +15,8 @@ def main(argv: list[str]) -> int:
   parser.add_argument(
       '--out',
       help='the file to write (default: WORKDIR/loss.png); its suffix names the format (.png, '
-      '.pdf, .svg, ...), a name without one gets .png, and a directory gets loss.png in it')
+      '.pdf, .svg, ...), a name without one gets .png, and a directory (or a name ending in /) '
+      'gets loss.png in it')
   args = parser.parse_args(argv)
   print(plot(args.workdir, args.out))  # the path written
   return 0

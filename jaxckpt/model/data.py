@@ -6,13 +6,13 @@ files, or pre-tokenized little-endian uint16 `.bin` files (nanoGPT's format). Th
 
 Data comes from one or more named sources (`data.sources`: name -> its files, in order: a tuple
 of paths, one path, a comma-separated string of paths, or a glob such as 'shards/train_*.bin',
-expanded in sorted order). A source's files are one token sequence, read where they lie: `.bin`
-shards are memory-mapped (read-only), so a process holds only the pages its batches touch,
-however large the files. With several sources, the bandit (`jaxckpt.model.bandit`) picks the
-source of each step. A training batch is a pure function of (seed, step, source) and of the
-source's tokens, not of how they are split into files: resuming at step k needs no iterator
-state beyond k and the bandit's state, and every process of a multi-host run can build the same
-global batch.
+expanded in sorted order). A source's files are one token sequence, read where they lie: files
+are memory-mapped (read-only; `.bin` shards as uint16, text as bytes, widened to uint16 where a
+batch is cut), so a process holds only the pages its batches touch, however large the files.
+With several sources, the bandit (`jaxckpt.model.bandit`) picks the source of each step. A
+training batch is a pure function of (seed, step, source) and of the source's tokens, not of how
+they are split into files: resuming at step k needs no iterator state beyond k and the bandit's
+state, and every process of a multi-host run can build the same global batch.
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def source_paths(value) -> list[str]:
   entries = [value] if isinstance(value, str) else list(value)
   out = []
   for entry in entries:
-    # `--config.data.sources.main=a.bin,b.bin` parses as the one string 'a.bin,b.bin'.
+    # `"--config.data.sources.main='a.bin,b.bin'"` gives the one string 'a.bin,b.bin' (unquoted,
+    # ml_collections reads `/d/0.bin,/d/1.bin` as Python and refuses it).
     for path in [entry] if Path(entry).exists() else [p.strip() for p in entry.split(',')]:
       if not path:
         continue
@@ -61,8 +62,9 @@ def source_paths(value) -> list[str]:
 
 
 class Tokens:
-  """A read-only uint16 token sequence made of parts (mapped `.bin` shards, text in memory),
-  indexed as one array: `len`, slices (views, nothing copied) and gathers by index arrays."""
+  """A read-only uint16 token sequence made of parts (mapped `.bin` shards as uint16, mapped text
+  and the embedded corpus as uint8), indexed as one array: `len`, slices (views, nothing copied)
+  and gathers by index arrays, which are uint16 whatever the parts are."""
 
   def __init__(self, parts: Sequence[np.ndarray], files: Sequence[tuple[str, int] | None] = ()):
     keep = [k for k, p in enumerate(parts) if len(p)]
@@ -75,7 +77,7 @@ class Tokens:
     return int(self.ends[-1]) if len(self.ends) else 0
 
   def __array__(self, dtype=None, copy=None):
-    whole = np.concatenate(self.parts) if self.parts else np.zeros(0, np.uint16)
+    whole = np.concatenate(self.parts, dtype=np.uint16) if self.parts else np.zeros(0, np.uint16)
     return whole if dtype is None else whole.astype(dtype)
 
   def __getitem__(self, key):
@@ -96,7 +98,7 @@ class Tokens:
   def take(self, idx: np.ndarray) -> np.ndarray:
     """The tokens at `idx` (any shape of indices into the whole sequence), as uint16."""
     if len(self.parts) == 1:
-      return np.asarray(self.parts[0][idx])
+      return np.asarray(self.parts[0][idx], np.uint16)
     which = np.searchsorted(self.ends, idx, side='right')
     begins = np.concatenate([[0], self.ends[:-1]])
     out = np.empty(idx.shape, np.uint16)
@@ -120,6 +122,22 @@ class Tokens:
     return top
 
 
+def _is_bin(source: str) -> bool:
+  # `x.BIN` holds uint16 tokens as `x.bin` does: read as text, every other token would be 0.
+  return Path(source).suffix.lower() == '.bin'
+
+
+def _map(path: Path, dtype) -> np.ndarray:
+  """`path` memory-mapped read-only as an array of `dtype`."""
+  with open(path, 'rb') as f:
+    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+  if hasattr(mapped, 'madvise'):
+    # Batches read short windows at random places: the kernel's read-ahead (megabytes a fault)
+    # would page in, and count as resident, far more than they touch.
+    mapped.madvise(mmap.MADV_RANDOM)
+  return np.frombuffer(mapped, dtype)
+
+
 def _open_file(source: str) -> np.ndarray:
   path = Path(source)
   if not path.is_file():
@@ -128,31 +146,26 @@ def _open_file(source: str) -> np.ndarray:
   if size == 0:
     raise ConfigError('E-DATA-006', f'data source {source} is empty',
                       'remove it from data.sources, or write its tokens')
-  if path.suffix != '.bin':
-    return np.frombuffer(path.read_bytes(), np.uint8).astype(np.uint16)
+  if not _is_bin(source):
+    # A byte a token, kept as bytes: a uint16 copy would make a text source cost 3x its size.
+    return _map(path, np.uint8)
   if size % 2:
     raise ConfigError(
         'E-DATA-005', f'data source {source} has {size} bytes, an odd number: not uint16 tokens',
         'write .bin files as little-endian uint16 (np.array(ids, "<u2").tofile(path))')
-  with open(path, 'rb') as f:
-    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-  if hasattr(mapped, 'madvise'):
-    # Batches read short windows at random places: the kernel's read-ahead (megabytes a fault)
-    # would page in, and count as resident, far more than they touch.
-    mapped.madvise(mmap.MADV_RANDOM)
-  return np.frombuffer(mapped, '<u2')
+  return _map(path, '<u2')
 
 
 def open_tokens(paths) -> Tokens:
   """The tokens of one source's files in order (`source_paths` forms); `embedded` names the
-  corpus shipped with jaxckpt. `.bin` files are mapped, not read."""
+  corpus shipped with jaxckpt. Files are mapped, not read."""
   parts, files = [], []
   for source in source_paths(paths):
     if source == EMBEDDED:
-      parts.append(np.frombuffer(embedded_corpus(), np.uint8).astype(np.uint16))
+      parts.append(np.frombuffer(embedded_corpus(), np.uint8))
     else:
       parts.append(_open_file(source))
-    files.append((source, 0) if Path(source).suffix == '.bin' else None)
+    files.append((source, 0) if _is_bin(source) else None)
   return Tokens(parts, files)
 
 

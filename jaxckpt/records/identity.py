@@ -31,6 +31,8 @@ import dataclasses
 import fnmatch
 import json
 import math
+import os
+from pathlib import PurePath
 from typing import Any, Callable, Mapping, Sequence
 
 from jaxckpt.errors import ResumeError
@@ -289,6 +291,34 @@ def _value_lines(kind: str, old: Mapping[str, Any], new: Mapping[str, Any],
   return tuple(lines)
 
 
+def _path_parts(key: str) -> list[str]:
+  """A path's names, without what only its spelling adds (the root, `./`, `../`)."""
+  return [p for p in PurePath(os.path.normpath(key)).parts if p not in (os.sep, '.', '..')]
+
+
+def _same_file(a: str, b: str) -> bool:
+  """Whether two spellings can name one file: one ends the other (`configs/tiny.py`,
+  `/abs/configs/tiny.py`)."""
+  a_parts, b_parts = _path_parts(a), _path_parts(b)
+  n = min(len(a_parts), len(b_parts))
+  return n > 0 and a_parts[-n:] == b_parts[-n:]
+
+
+def _source_lines(old: Mapping[str, str], new: Mapping[str, str]) -> tuple[str, ...]:
+  """The `source` lines. Package modules have one name (`jaxckpt/model/gpt.py`), but the config
+  file and its `default.py` are named as the command line typed them: one named on one side only
+  is compared as the one name on the other side that spells the same file, and its line names
+  it as the resuming run does."""
+  old = dict(old)
+  gone = [k for k in old if k not in new and not k.startswith('jaxckpt/')]
+  for key in [k for k in new if k not in old and not k.startswith('jaxckpt/')]:
+    same = [k for k in gone if _same_file(k, key)]
+    if len(same) == 1:
+      old[key] = old.pop(same[0])
+      gone.remove(same[0])
+  return _value_lines('source', old, new, lambda h: h[:12])
+
+
 def compare(saved: Mapping[str, Any],
             new: Mapping[str, Any],
             *,
@@ -312,8 +342,7 @@ def compare(saved: Mapping[str, Any],
   has_knobs = lambda m: m.get('knobs') is not None or m.get('config') is not None
   knobs = _value_lines('knob', _saved_knobs(saved), _saved_knobs(new),
                        _fmt) if has_knobs(saved) and has_knobs(new) else ()
-  sources = _value_lines('source', saved['sources'], new['sources'],
-                         lambda h: h[:12]) if both('sources') else ()
+  sources = _source_lines(saved['sources'], new['sources']) if both('sources') else ()
   topology = []
   for key in ('devices', 'processes', 'mesh', 'platform'):
     if both(key) and saved[key] != new[key]:

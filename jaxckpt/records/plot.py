@@ -1,12 +1,14 @@
 """`jaxckpt plot --workdir=DIR`: the loss history as a PNG, with resumes and pivots marked.
 
 `--out` names the file, and its suffix the format (any matplotlib writes: `.png`, `.pdf`,
-`.svg`, ...); a name without a suffix gets `.png`, and an existing directory gets `loss.png` in it.
+`.svg`, ...); a name without a suffix gets `.png`, and a directory (an existing one, or any name
+ending in `/`) gets `loss.png` in it.
 The file is written atomically: a plot that fails leaves an older file of that name as it was.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from jaxckpt.checkpoint import atomic
@@ -86,10 +88,12 @@ def formats() -> list[str]:
 
 def output_path(workdir: Path, out: str | Path | None) -> Path:
   """The file `plot` writes: `--out` as given; with `.png` added when it has no suffix;
-  `out/loss.png` when it is a directory; `WORKDIR/loss.png` without one. Refuses (E-PLOT-002)
-  a suffix matplotlib cannot write and a file whose directory is missing or not a directory."""
+  `out/loss.png` when it is a directory or ends in a separator; `WORKDIR/loss.png` without one.
+  Refuses (E-PLOT-002) a suffix matplotlib cannot write and a file whose directory is missing or
+  not a directory."""
   path = workdir / DEFAULT_NAME if not out else Path(out)
-  if path.is_dir():
+  # Path() drops a trailing '/': `--out=plots/` names a directory even when there is none.
+  if path.is_dir() or (out and str(out).endswith(tuple(filter(None, (os.sep, os.altsep))))):
     path = path / DEFAULT_NAME
   elif not path.suffix:
     path = path.with_name(f'{path.name}.png')

@@ -178,7 +178,8 @@ def source_hashes(
   """{path: sha256} of every module of the installed jaxckpt package and of the config file.
 
   Package modules are named from the package's parent (`jaxckpt/model/gpt.py`); the config file and
-  `extra` files (say the `configs/default.py` it imports) by the path as given.
+  `extra` files (say the `configs/default.py` it imports) by the path as given, which a resume
+  may spell otherwise (`/abs/configs/tiny.py`): `identity.compare` pairs the two spellings.
   """
   package = Path(jaxckpt.__file__).resolve().parent
   out = {}
