@@ -2,6 +2,7 @@
 from the key-value store: a vote or an outcome that is not one a process writes stops the run
 with one E-DIST-005 line naming it, at once, never a dead vote thread and an unnamed timeout."""
 
+import signal
 import threading
 import time
 
@@ -138,3 +139,30 @@ def test_a_wait_for_a_word_says_how_long_it_waited_and_why_it_ended():
     distributed.wait_word(
         _Cluster(1, _Store()), 'jaxckpt/run/x', 'x (process 0)', deadline=time.monotonic() + 0.3)
   assert time.monotonic() - t0 < 5 and 'raise --barrier_timeout_secs' in str(e.value)
+
+
+class _Stopped(_Watcher):
+  stop_signal = signal.SIGTERM
+
+
+@pytest.mark.parametrize('stopped', [None, 0, 1])
+def test_a_stop_signal_while_starting_stops_every_process_before_a_step(stopped):
+  """SIGTERM on one process during the restore or the compile: no process trains a step."""
+  store = _Store()
+  agrees = [
+      agreement.Agreement(
+          _Stopped() if k == stopped else _Watcher(), 100, cluster=_Cluster(k, store))
+      for k in (0, 1)
+  ]
+  try:
+    threads = [threading.Thread(target=a.stop_at_start) for a in agrees]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join(30)
+    want = None if stopped is None else signal.SIGTERM
+    assert [a.stop_signal for a in agrees] == [want, want]
+    assert [_step(a, 101) for a in agrees] == [False, False]  # no stop asked again in a round
+  finally:
+    for a in agrees:
+      a.close()

@@ -66,6 +66,21 @@ class Agreement:
   def stop_name(self) -> str | None:
     return None if self.stop_signal is None else signal.Signals(self.stop_signal).name
 
+  def stop_at_start(self) -> None:
+    """Before the first step: a stop signal any process got while the job started (restoring,
+    compiling) stops every process now, with no step trained and no checkpoint, as one process's
+    own signal does. One small exchange per start."""
+    if self.cluster.count == 1:
+      return
+    mine = self.watcher.stop_signal
+    got = distributed.first_problem(
+        'stop_at_start', str(mine) if mine else None, cluster=self.cluster)
+    if got is not None:
+      stop = int(got) if got.isdigit() and int(got) in _SIGNALS else None
+      if not stop:  # a value no process writes (read from the key-value store)
+        raise _bad(f'a stop at start of {got[:80]!r}')
+      self._agreed_stop, self._stop_asked = stop, True
+
   def save_now(self, step: int, total: int, exact: Callable[[], bool],
                timed: Callable[[], bool]) -> bool:
     """Whether every process saves `step` now. `exact()`: the cadence asks for this step on every

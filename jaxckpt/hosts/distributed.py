@@ -256,32 +256,38 @@ def run_lock(workdir: str | os.PathLike):
   return _Leader(workdir) if leader() else _Follower(Path(workdir))
 
 
-def first_problem(name: str, problem: str | None, timeout: float | None = None) -> str | None:
+def first_problem(name: str,
+                  problem: str | None,
+                  timeout: float | None = None,
+                  cluster: Cluster | None = None) -> str | None:
   """This process's `problem` (None: none) or, across processes, the first any one of them
   reports under `name`: the same answer on every process. `timeout`: how long a process waits
   for the others (default `--barrier_timeout_secs`)."""
-  if _cluster.count == 1:
+  cluster = cluster or _cluster
+  if cluster.count == 1:
     return problem
-  return _decide(name, problem or '', lambda values: next(
-      (v for v in values if v), ''), timeout) or None
+  first = lambda values: next((v for v in values if v), '')
+  return _decide(name, problem or '', first, timeout, cluster) or None
 
 
 def _decide(name: str,
             value: str,
             decide: Callable[[list[str]], str],
-            timeout: float | None = None) -> str:
+            timeout: float | None = None,
+            cluster: Cluster | None = None) -> str:
   """Post this process's `value` under `name`; `decide(every process's, in process order)`, the
   same on every process. Process 0 gathers the values and posts its decision: each other
   process sends one value and reads one answer, whatever the process count. One deadline for
   all the values process 0 waits for."""
-  client, key = _cluster.client(), f'{_PREFIX}/{name}'
-  deadline = time.monotonic() + (timeout or _cluster.timeout_secs)
-  if not _cluster.leader:
-    client.key_value_set(f'{key}/{_cluster.index}', value, allow_overwrite=True)
-    return wait_word(_cluster, f'{key}/answer', f"{name} (process 0's answer)", deadline)
+  cluster = cluster or _cluster
+  client, key = cluster.client(), f'{_PREFIX}/{name}'
+  deadline = time.monotonic() + (timeout or cluster.timeout_secs)
+  if not cluster.leader:
+    client.key_value_set(f'{key}/{cluster.index}', value, allow_overwrite=True)
+    return wait_word(cluster, f'{key}/answer', f"{name} (process 0's answer)", deadline)
   values = [value] + [
-      wait_word(_cluster, f'{key}/{k}', f'{name} (process {k})', deadline)
-      for k in range(1, _cluster.count)
+      wait_word(cluster, f'{key}/{k}', f'{name} (process {k})', deadline)
+      for k in range(1, cluster.count)
   ]
   answer = decide(values)
   client.key_value_set(f'{key}/answer', answer, allow_overwrite=True)

@@ -363,6 +363,7 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
   if step < total and not trainer.step_compiled:  # minutes for a large model on a CPU
     logging.info('compiling the train step...')
     trainer.compile_train_step(step)  # here: a stop signal meanwhile stops before a step
+  agree.stop_at_start()  # a stop signal on any process while starting: none trains a step
   while step < total and agree.stop_signal is None:
     arm = session.bandit.choose(step)
     state, metrics = trainer.train_step(state, trainer.put_batch(dataset.batch(step, arm)))
