@@ -95,3 +95,38 @@ def test_plot_refuses_an_out_ending_in_a_separator_whose_directory_is_missing(tm
   assert 'Traceback' not in err and str(tmp_path / 'newplots') in err and not stdout
   assert not (tmp_path / 'newplots.png').exists()
   assert sorted(os.listdir(tmp_path)) == scratch and os.listdir(workdir) == [LOSSES]
+
+
+def test_data_that_changed_between_stop_and_resume_is_said(trainer, tmp_path):
+  corpus = tmp_path / 'corpus.txt'
+  corpus.write_bytes((REPO / 'README.md').read_bytes() * 4)
+  flags = (f'--config.data.sources.main={corpus}', '--checkpoint_every=2')
+  first = trainer.train(tmp_path / 'w', '--config.train.steps=2', *flags)
+  assert first.returncode == 0, first.stderr
+  same = trainer.train(tmp_path / 'w', '--config.train.steps=3', *flags)
+  assert same.returncode == 0 and 'source data:main' not in same.stderr, same.stderr
+  with open(corpus, 'ab') as f:
+    f.write(b'a corpus grown between two starts\n')
+  grown = trainer.train(tmp_path / 'w', '--config.train.steps=4', *flags)
+  assert grown.returncode == 0, grown.stderr
+  assert 'changed since the checkpoint: source data:main ' in grown.stderr, grown.stderr
+  resumed = [
+      json.loads(line)
+      for line in (tmp_path / 'w' / 'events.jsonl').read_text().splitlines()
+      if '"resumed"' in line
+  ]
+  assert [any(c.startswith('source data:main') for c in e.get('changes', [])) for e in resumed
+         ] == [False, True]
+
+
+def test_data_fingerprints_name_each_source_and_skip_the_embedded_corpus(tmp_path):
+  a, b = tmp_path / 'a.bin', tmp_path / 'b.bin'
+  np.arange(1000, dtype=np.uint16).tofile(a)
+  np.arange(2000, dtype=np.uint16).tofile(b)
+  config = _config(a, b)
+  with config.unlocked():
+    config.data.sources.web = ('embedded',)
+  got = provenance.data_fingerprints(config)
+  assert list(got) == ['data:main'] and len(got['data:main']) == 64
+  config.data.sources.main = (str(b), str(a))  # the order is the data too
+  assert provenance.data_fingerprints(config)['data:main'] != got['data:main']

@@ -4,7 +4,8 @@
 `CheckpointManager.save(..., metadata=...)` and lands at the top level of the manifest):
 
     knobs       every config leaf: {'train.lr': {'value': 0.001, 'source': 'flag'}, ...}
-    sources     sha256 of every module of the jaxckpt package and of the config file
+    sources     sha256 of every module of the jaxckpt package and of the config file, and a
+                fingerprint of each data source's files ('data:main': count, sizes, both ends)
     parameters  [{path, shape, dtype, trainable, spec}] in canonical (flat `.bin`) order
     optimizer   optimizer state names per parameter: {'wte.embedding': ['1/0/mu', '1/0/nu'], ...}
     counters, seed, mesh, devices, processes, platform, versions, finished, init_from (optional)
@@ -37,7 +38,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from jaxckpt.errors import ResumeError
 from jaxckpt.model import names
-from jaxckpt.records.provenance import flatten_config, jsonable, knob_table, source_hashes
+from jaxckpt.records.provenance import (DATA_KEY, flatten_config, jsonable, knob_table,
+                                        source_hashes)
 from jaxckpt.records.provenance import versions as package_versions
 
 _NONE = '(none)'
@@ -310,6 +312,8 @@ def _source_lines(old: Mapping[str, str], new: Mapping[str, str]) -> tuple[str, 
   is compared as the one name on the other side that spells the same file, and its line names
   it as the resuming run does."""
   old = dict(old)
+  if not any(k.startswith(DATA_KEY) for k in old):  # a checkpoint from before data fingerprints
+    new = {k: v for k, v in new.items() if not k.startswith(DATA_KEY)}
   gone = [k for k in old if k not in new and not k.startswith('jaxckpt/')]
   for key in [k for k in new if k not in old and not k.startswith('jaxckpt/')]:
     same = [k for k in gone if _same_file(k, key)]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import jaxckpt
+from jaxckpt import errors
 
 KNOB_SOURCES = ('default', 'config file', 'flag')
 
@@ -152,6 +153,8 @@ def provenance(config, config_file: str, *, flagged: Iterable[str] = ()) -> dict
   default_config = load_default_config(path)
   defaults_file = str(Path(path).with_name('default.py'))
   extra = [defaults_file] if default_config is not None and defaults_file != path else []
+  sources = source_hashes(config_file, extra)
+  sources.update(data_fingerprints(config))
   return {
       'knobs':
           knob_table(
@@ -159,8 +162,40 @@ def provenance(config, config_file: str, *, flagged: Iterable[str] = ()) -> dict
               default_config=default_config,
               file_config=load_config_file(config_file),
               flagged=flagged), 'sources':
-                  source_hashes(config_file, extra)
+                  sources
   }
+
+
+DATA_KEY = 'data:'  # `sources` keys of the training data: 'data:main'
+_EDGE = 64 << 10  # bytes read at each end of a data file
+
+
+def data_fingerprints(config) -> dict[str, str]:
+  """{'data:<source>': fingerprint} of the training data's files (`config.data.sources`): their
+  count, order, sizes and first and last 64 KiB, hashed (not every byte: a corpus can be
+  terabytes). A resume whose data changed says so (`source data:main ... -> ...`): its batches
+  are not the ones the checkpoint's run would have seen. The embedded corpus is the package's;
+  a source that cannot be listed or read is left to the data loader's own error."""
+  from jaxckpt.model import data  # pylint: disable=import-outside-toplevel
+  out = {}
+  sources = config.get('data', {}).get('sources', {}) if hasattr(config, 'get') else {}
+  for name, value in dict(sources).items():
+    try:
+      paths = data.source_paths(value)
+      if paths == [data.EMBEDDED]:
+        continue
+      h = hashlib.sha256()
+      for path in paths:
+        size = os.path.getsize(path)
+        with open(path, 'rb') as f:
+          head = f.read(_EDGE)
+          f.seek(max(0, size - _EDGE))
+          tail = f.read(_EDGE)
+        h.update(f'{size}:'.encode() + head + tail)
+      out[f'{DATA_KEY}{name}'] = h.hexdigest()
+    except (OSError, ValueError, TypeError, errors.JaxckptError):
+      continue
+  return out
 
 
 # -------------------------------------------------------------------------------- sources
