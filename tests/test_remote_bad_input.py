@@ -20,10 +20,12 @@ from conftest import committed_steps, events_of, free_port
 
 RUN = ('--config.train.steps=5', '--checkpoint_every=1')
 REGION = 'us-east-1'
-READ_ONLY = {  # s3:ListBucket and s3:GetObject only
+# Listing and reading only. `s3:List*`, not `s3:ListBucket` alone: moto 5.2.6 checks a listing
+# against the operation's name (`s3:ListObjectsV2`) where AWS checks `s3:ListBucket`.
+READ_ONLY = {
     'Version':
         '2012-10-17', 'Statement': [{
-            'Effect': 'Allow', 'Action': ['s3:ListBucket', 's3:GetObject'],
+            'Effect': 'Allow', 'Action': ['s3:List*', 's3:GetObject'],
             'Resource': ['arn:aws:s3:::guarded', 'arn:aws:s3:::guarded/*']
         }]
 }
