@@ -48,8 +48,8 @@ def test_checkpoints_above_the_one_a_run_went_back_to_are_never_the_newest(tmp_p
     assert sorted(layout.committed_steps(tmp_path)) == [25, 30, 35, 38, 40]  # keep=3: 25, 30, 38
   with CheckpointManager(tmp_path, opts) as mgr:  # the next start continues from 38
     mgr.continue_from(_newest(tmp_path)[0])
-    assert sorted(abandoned.steps(tmp_path)) == [40]
-    _save(mgr, 40, 50)
+    assert sorted(abandoned.steps(tmp_path)) == [35, 40]  # 35: the replay skipped its number
+    _save(mgr, 35, 40, 50)
     assert abandoned.steps(tmp_path) == set() and _newest(tmp_path) == (50, [])
     mgr.continue_from(50)
     assert not (tmp_path / abandoned.FILE).exists()  # nothing abandoned: no record
@@ -121,3 +121,44 @@ def test_inspect_and_delete_of_a_run_see_the_history_it_is_on(tmp_path):
   gone = jaxckpt_cli('delete', str(root / 'step_00000030'))  # abandoned: no --newest needed
   assert gone.returncode == 0, gone.stderr
   assert sorted(layout.committed_steps(root)) == [10, 15, 20]
+
+
+def test_a_replay_that_skips_a_step_number_leaves_it_abandoned(tmp_path):
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
+    _save(mgr, 10, 20, 25, 30, 40, 50)
+    mgr.continue_from(20)
+    _save(mgr, 25, 50)  # the replay's cadence: 25 steps; 30 and 40 are the old history's
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
+    mgr.continue_from(50)  # the next start resumes the newest, 50
+    assert sorted(abandoned.steps(tmp_path)) == [30, 40]
+    (tmp_path / 'step_00000050' / layout.MANIFEST).write_text('{')  # damaged
+    assert _newest(tmp_path)[0] == 25  # not the old history's 40
+
+
+def test_an_abandoned_checkpoint_deleted_here_stays_recorded(tmp_path):
+  """`--remote` may still hold it: its record goes only once the replay rewrote the step."""
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
+    _save(mgr, 10, 20, 30)
+    mgr.continue_from(10)
+    shutil.rmtree(tmp_path / 'step_00000030')  # `jaxckpt delete`
+    _save(mgr, 15)
+    assert sorted(abandoned.recorded(tmp_path)) == [20, 30]
+    _save(mgr, 20, 30)  # the replay rewrote both: nothing is abandoned
+    assert not (tmp_path / abandoned.FILE).exists()
+
+
+def test_a_damaged_abandoned_fallback_is_not_taken_twice(tmp_path):
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
+    _save(mgr, 10, 20)
+    mgr.continue_from(5)  # a .bin resume at step 5: 10 and 20 are abandoned
+  bad = tmp_path / 'step_00000020'
+  path, _ = discovery.latest_intact(tmp_path, known_bad={bad: 'checksum mismatch'})
+  assert path.name == 'step_00000010'  # the restore found 20 damaged: never 20 again
+
+
+def test_the_peer_tier_does_not_offer_abandoned_checkpoints(tmp_path):
+  from jaxckpt.checkpoint import peers
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
+    _save(mgr, 10, 20, 30)
+    mgr.continue_from(10)
+  assert sorted(peers.held(tmp_path)) == ['10']

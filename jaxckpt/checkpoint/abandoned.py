@@ -34,10 +34,23 @@ def _seal(step_dir: Path) -> str | None:
 
 
 def record(root: Path, step: int) -> dict[int, str]:
-  """Records the committed checkpoints under `root` above `step` as abandoned ({step: seal}); a
-  run continuing from the newest has none, and the record is removed."""
-  above = {s: _seal(p) for s, p in layout.committed_steps(root).items() if s > step}
-  gone = {s: seal for s, seal in above.items() if seal is not None}
+  """Records the committed checkpoints under `root` above `step` as abandoned ({step: seal}),
+  with what the record already names but was not replaced: a step the replay skipped is still
+  abandoned, and one deleted here may still be in `--remote`. `step` itself, the checkpoint the
+  run continues from, is not. Returns the record; none left: removed."""
+  committed = layout.committed_steps(root)
+  gone = {
+      s: seal
+      for s, seal in recorded(root).items()
+      if s != step and (s not in committed or _seal(committed[s]) == seal)
+  }
+  gone.update({s: _seal(p) for s, p in committed.items() if s > step})
+  gone = {s: seal for s, seal in sorted(gone.items()) if seal is not None}
+  _write(root, step, gone)
+  return gone
+
+
+def _write(root: Path, step: int, gone: Mapping[int, str]) -> None:
   path = root / FILE
   if gone:
     table = {str(s): seal for s, seal in gone.items()}
@@ -45,7 +58,6 @@ def record(root: Path, step: int) -> dict[int, str]:
   elif path.exists():
     path.unlink()
     atomic.fsync_dir(root)
-  return gone
 
 
 def recorded(root: Path) -> dict[int, str]:
@@ -83,10 +95,17 @@ def steps(root: Path, committed: Mapping[int, Path] | None = None) -> set[int]:
 
 
 def left(root: Path, committed: Mapping[int, Path]) -> set[int]:
-  """`steps`, for the writer after a commit: once the replay has replaced every abandoned
-  checkpoint (or they were deleted), the record goes."""
-  out = steps(root, committed)
-  if not out and (root / FILE).exists():
-    (root / FILE).unlink(missing_ok=True)
-    atomic.fsync_dir(root)
-  return out
+  """`steps`, for the writer after a commit. An entry goes from the record once its step is
+  committed again with another seal (the replay replaced it); one whose checkpoint was deleted
+  here stays, as `--remote` may still hold it. None left: the record goes."""
+  table = recorded(root)
+  if not table:
+    return set()
+  kept = {s: seal for s, seal in table.items() if s not in committed or _seal(committed[s]) == seal}
+  if kept != table:
+    try:
+      found = json.loads((root / FILE).read_bytes())
+      _write(root, int(found.get('from_step', 0)), kept)
+    except (OSError, ValueError, TypeError, AttributeError):
+      pass  # the entries are checked by seal whenever they are read: stale ones do no harm
+  return {s for s in kept if s in committed}

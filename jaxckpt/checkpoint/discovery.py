@@ -225,7 +225,8 @@ def latest_intact(
   rest: list[tuple[Path, str]] = []
   for path, why in skipped:
     if why == ABANDONED:
-      found = problems(path, checksums=checksums)
+      found = [known_bad[path]] if path in (known_bad or {}) else \
+          problems(path, checksums=checksums)
       if not found:
         return path, rest
       why = _summary(found)

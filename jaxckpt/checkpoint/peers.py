@@ -41,7 +41,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from . import atomic, layout, manifest, multihost, sends, shardtable
+from . import abandoned, atomic, layout, manifest, multihost, sends, shardtable
 from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file
 from .tree import named_leaves
@@ -92,9 +92,14 @@ class Restored:
 
 def held(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
   """{step: {'seal', 'files': {state file: size}}} of the committed checkpoints here whose
-  manifest is sound (sizes only: the CRCs are checked for the one chosen)."""
+  manifest is sound (sizes only: the CRCs are checked for the one chosen), but for those the run
+  abandoned when it went back to an older one (`abandoned`)."""
   out = {}
-  for step, path in layout.committed_steps(ckpt_dir).items():
+  committed = layout.committed_steps(ckpt_dir)
+  left = abandoned.steps(ckpt_dir, committed)
+  for step, path in committed.items():
+    if step in left:
+      continue
     try:
       raw = (path / layout.MANIFEST).read_bytes()
       m = manifest.parse(path, raw)
