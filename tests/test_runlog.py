@@ -56,3 +56,18 @@ def test_steps_a_later_start_went_back_past_are_not_the_history(tmp_path):
   third.event('started', step=30)
   third.losses([{'step': 31, 'loss': 3.0}])
   assert max(read_loss_history(tmp_path)) == 31 and len(read_loss_history(tmp_path)) == 31
+
+
+def test_a_start_that_passed_over_a_damaged_checkpoint_keeps_its_history(tmp_path):
+  """Across processes a start says `started` again when it passes over a checkpoint one process
+  found damaged: its segment starts at the last one, and none of its losses is dropped."""
+  first = RunLog(tmp_path)
+  first.event('started', step=0, segment=first.segment)
+  first.losses([{'step': s, 'loss': 1.0} for s in range(1, 61)])
+  second = RunLog(tmp_path)
+  second.event('started', step=50, segment=second.segment)  # step 50's shard: damaged
+  second.event('started', step=40, segment=second.segment)  # every process took 40 instead
+  second.losses([{'step': s, 'loss': 2.0} for s in range(41, 71)])
+  history = read_loss_history(tmp_path)
+  assert list(history) == list(range(1, 71))
+  assert {r['loss'] for s, r in history.items() if s > 40} == {2.0}

@@ -42,16 +42,25 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
   return rows
 
 
-def cuts(events: list[dict[str, Any]]) -> list[float]:
-  """For each segment (each start, in order), the step past which its records are void: a later
-  start that went back to an older checkpoint abandoned what this one logged after it."""
-  starts = [e.get('step') for e in events if e.get('event') == 'started']
-  starts = [s if isinstance(s, int) else math.inf for s in starts]
-  out, lowest = [], math.inf
-  for step in reversed(starts):
-    out.append(lowest)
-    lowest = min(lowest, step)
-  return out[::-1]
+def _segment(e: Mapping[str, Any], ordinal: int) -> int:
+  """A `started` event's segment: its own field (records from before it: its place)."""
+  seg = e.get('segment')
+  return seg if type(seg) is int else ordinal  # pylint: disable=unidiomatic-typecheck
+
+
+def cuts(events: list[dict[str, Any]]) -> dict[int, float]:
+  """{segment: the step past which its records are void}: a later start that went back to an
+  older checkpoint abandoned what this one logged after it. A start that passed over a damaged
+  checkpoint says `started` again in its segment: the last one is where it started."""
+  starts: dict[int, float] = {}
+  for ordinal, e in enumerate(e for e in events if e.get('event') == 'started'):
+    step = e.get('step')
+    starts[_segment(e, ordinal)] = step if type(step) is int else math.inf  # pylint: disable=unidiomatic-typecheck
+  out, lowest = {}, math.inf
+  for seg in sorted(starts, reverse=True):
+    out[seg] = lowest
+    lowest = min(lowest, starts[seg])
+  return out
 
 
 def current(rows: Iterable[tuple[int, int, Any]], events: list[dict[str, Any]]) -> dict[int, Any]:
@@ -60,7 +69,7 @@ def current(rows: Iterable[tuple[int, int, Any]], events: list[dict[str, Any]]) 
   limit = cuts(events)
   best: dict[int, tuple[int, Any]] = {}
   for step, segment, value in rows:
-    if segment < len(limit) and step > limit[segment]:
+    if step > limit.get(segment, math.inf):
       continue
     if step not in best or segment >= best[step][0]:
       best[step] = (segment, value)
@@ -79,10 +88,10 @@ def read_loss_history(workdir: str | os.PathLike) -> dict[int, dict[str, Any]]:
 def read_evals(events: list[dict[str, Any]]) -> dict[int, float]:
   """{step: held-out loss} of the `eval` events, by the same rule (an event's segment is the
   start it follows)."""
-  rows, segment = [], -1
+  rows, segment, ordinal = [], -1, 0
   for e in events:
     if e.get('event') == 'started':
-      segment += 1
+      segment, ordinal = _segment(e, ordinal), ordinal + 1
     elif e.get('event') == 'eval':
       rows.append((e['step'], segment, e['heldout_loss']))
   return current(rows, events)
