@@ -382,3 +382,22 @@ def test_process_0_gives_up_a_step_whose_upload_stopped_moving(monkeypatch):
     assert len(lines) == 1 and lines[0].startswith('E-DIST-002: process(es) 1 moved no upload in '
                                                    '2 s (process 1: last began step 5): step 5 is '
                                                    'not committed remotely'), lines
+
+
+def test_a_retry_after_a_failure_word_is_watched_again(monkeypatch):
+  monkeypatch.setattr(parts_lib, 'MOVING_SECS', 0.0)
+  with _two_clients() as clients:
+    leader, other = Parts(0, 2, client=clients[0]), Parts(1, 2, client=clients[1])
+    lines, ended, closing = [], [], threading.Event()
+    other.started(5)
+    other.said(5, 'E-STORE-010: the store did not answer')  # its first try failed
+    waiter = _waiting(leader, lines, ended, closing, silence=60.0, stall=2.0)
+    deadline = time.monotonic() + 20
+    while not lines and time.monotonic() < deadline:  # process 0 heard the failure
+      time.sleep(0.05)
+    other.started(5)  # the retry, which then hangs: given up within the bound all the same
+    waiter.join(30)
+    closing.set()
+    assert ended == ['superseded'], (ended, lines)
+    assert lines[0] == 'process 1: E-STORE-010: the store did not answer'
+    assert lines[-1].startswith('E-DIST-002: process(es) 1 moved no upload in 2 s'), lines

@@ -95,7 +95,12 @@ class Parts:
     return found[0][1] if found else None
 
   def started(self, step: int) -> None:
-    """A process other than 0 begins its part of `step` (and will never send an older one)."""
+    """A process other than 0 begins its part of `step` (and will never send an older one); a
+    failure it said of an earlier try is taken back, so process 0 watches this one."""
+    try:
+      self._client.key_value_delete(f'{self._prefix}/{step}/{self.index}')
+    except Exception:  # pylint: disable=broad-except  # none said: nothing to take back
+      pass
     self._moved = -float('inf')
     self.moving(step)
 
