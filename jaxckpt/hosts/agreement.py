@@ -28,6 +28,7 @@ from jaxckpt.errors import JaxckptError
 from jaxckpt.hosts import distributed
 
 _ROUNDS = 'jaxckpt/run/round'
+START_WAIT_SECS = 3600.0  # `stop_at_start`: the first compiles of every process
 
 
 class Agreement:
@@ -73,8 +74,13 @@ class Agreement:
     if self.cluster.count == 1:
       return
     mine = self.watcher.stop_signal
+    # The processes get here after their first compiles, which one host's cold cache can make
+    # far longer than another's: waited for as long as a first step may take.
     got = distributed.first_problem(
-        'stop_at_start', str(mine) if mine else None, cluster=self.cluster)
+        'stop_at_start',
+        str(mine) if mine else None,
+        timeout=max(START_WAIT_SECS, self.cluster.timeout_secs),
+        cluster=self.cluster)
     if got is not None:
       stop = int(got) if got.isdigit() and int(got) in _SIGNALS else None
       if not stop:  # a value no process writes (read from the key-value store)

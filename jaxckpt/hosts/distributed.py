@@ -315,7 +315,11 @@ def together(name: str,
   return result
 
 
-def agree(name: str, value: str, what: str) -> None:
+_SAME_CHECKPOINTS = ("every host's workdir must hold the same checkpoints: one shared filesystem, "
+                     'or --remote (README: Many hosts)')
+
+
+def agree(name: str, value: str, what: str, fix: str = _SAME_CHECKPOINTS) -> None:
   """E-DIST-008 unless every process has the same `value` of `what`."""
   if _cluster.count == 1:
     return
@@ -326,10 +330,7 @@ def agree(name: str, value: str, what: str) -> None:
 
   disagree = _decide(name, value, differences)
   if disagree:
-    raise JaxckptError(
-        'E-DIST-008', f'the processes disagree on {what}: {disagree}',
-        "every host's workdir must hold the same checkpoints: one shared filesystem, or --remote "
-        '(README: Many hosts)')
+    raise JaxckptError('E-DIST-008', f'the processes disagree on {what}: {disagree}', fix)
 
 
 DOWNLOAD_FLOOR = 10e6  # bytes/s: the slowest download a wait for process 0's is sized for

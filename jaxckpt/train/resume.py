@@ -9,6 +9,7 @@ the next newest, as `latest` passes over one whose manifest or sizes are wrong.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Mapping
@@ -17,13 +18,15 @@ import jax
 import numpy as np
 from absl import logging
 
-from jaxckpt.checkpoint import ArgumentError, CheckpointError, discovery, layout, named_leaves
+from jaxckpt.checkpoint import (ArgumentError, CheckpointError, discovery, layout, manifest,
+                                named_leaves)
 from jaxckpt.errors import ResumeError
 from jaxckpt.hosts import distributed
 from jaxckpt.model import bandit as bandit_lib
 from jaxckpt.model import gpt as model_lib
 from jaxckpt.model import names
 from jaxckpt.records import identity, phases
+from jaxckpt.records.provenance import DATA_KEY
 from jaxckpt.records.runlog import RunLog
 from jaxckpt.train import init_from as init_from_lib
 from jaxckpt.train.bin_resume import restore_from_bin
@@ -95,6 +98,13 @@ def start(session: Session, resume: str, resume_dir: Path | None) -> tuple[Train
   With --resume=latest, a checkpoint whose data fails its checksum while it is being restored is
   passed over (with a warning) for the next newest, as a damaged manifest would be.
   """
+  # Every process builds the same global batch from its own copy of the data: the same files.
+  data = {
+      k: v for k, v in (session.identity.get('sources') or {}).items() if k.startswith(DATA_KEY)
+  }
+  distributed.agree('data', json.dumps(data, sort_keys=True),
+                    "the training data (each source's files: count, sizes, both ends)",
+                    'give every host the same data files (the same paths, sizes and bytes)')
   known_bad: dict[Path, str] = {}
   while True:
     try:
@@ -112,7 +122,13 @@ def start(session: Session, resume: str, resume_dir: Path | None) -> tuple[Train
     known_bad[resume_dir] = problem
     if replaced is None:
       logging.warning('passing over %s: %s', resume_dir, problem)
-    resume_dir = replaced or find_resume_point(resume, session.mgr.directory, known_bad)
+    # Across processes: one that cannot choose stops them all, and all must choose the same.
+    resume_dir = replaced or distributed.together(
+        f'resume/{len(known_bad)}/point',
+        lambda: find_resume_point(resume, session.mgr.directory, known_bad))
+    distributed.agree(f'resume/{len(known_bad)}/seal',
+                      str(resume_dir and manifest.commit_label(resume_dir)),
+                      'the checkpoint to resume from, past a damaged one')
 
 
 def _from_remote(session: Session, path: Path) -> Path | None:
