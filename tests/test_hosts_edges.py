@@ -6,10 +6,12 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import TINY, finish_processes, start_processes
 
 from jaxckpt.checkpoint import multihost, peers
 from jaxckpt.checkpoint.remote import partial
@@ -178,3 +180,24 @@ def test_leaving_names_the_processes_that_never_said_they_were_leaving(monkeypat
 def test_leaving_when_all_said_so_says_nothing(monkeypatch, capsys):
   assert _leave(monkeypatch, {'gone/0': 'gone', 'gone/2': 'gone'}, index=1) == 2
   assert 'did not say' not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the same data on every host
+def test_hosts_with_different_training_data_are_refused_at_start(tmp_path, compile_cache):
+  """Every process builds the same global batch from its own copy of the data: two hosts whose
+  files differ would train on a batch no one meant, and write manifests that differ."""
+  for k in range(2):
+    (tmp_path / f'data{k}.txt').write_text('the same words on both hosts\n' * 200 + f'but {k}\n')
+
+  def argv(k, coordinator):
+    return [
+        sys.executable, '-m', 'jaxckpt.main', f'--config={TINY}', f'--workdir={tmp_path / "w"}',
+        '--config.train.steps=2', f'--config.data.sources.main=("{tmp_path}/data{k}.txt",)',
+        f'--coordinator_address={coordinator}', '--num_processes=2', f'--process_id={k}'
+    ]
+
+  results = finish_processes(start_processes(argv, 2, cache=compile_cache), timeout=240)
+  for code, out in results:
+    assert code == 1, out[-2000:]
+    assert 'E-DIST-008' in out and 'the training data' in out, out[-2000:]
+  assert not list((tmp_path / 'w').glob('checkpoints/step_*'))
