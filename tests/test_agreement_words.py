@@ -67,43 +67,40 @@ def _voted(agree, store, step=1):
   store.blocking_key_value_get(f'jaxckpt/run/round/0/vote/{agree.cluster.index}', 5000)
 
 
+def _refusal(index: int, key: str, word: str) -> str:
+  """The E-DIST-005 line process `index` stops with once the other process's `word` is at `key`
+  of round 0: at once, not after the timeout, and at every later step too."""
+  store = _Store()
+  agree = _agreement(index, store)
+  try:
+    _voted(agree, store)
+    store.key_value_set(f'jaxckpt/run/round/0/{key}', word)
+    t0 = time.monotonic()
+    with pytest.raises(JaxckptError, match='E-DIST-005') as e:
+      _step(agree, 2)
+    assert time.monotonic() - t0 < 10, 'refused at once, not after the timeout'
+    with pytest.raises(JaxckptError, match='E-DIST-005'):
+      _step(agree, 3)
+    return str(e.value)
+  finally:
+    agree.close()
+
+
 @pytest.mark.parametrize('vote', [
     '[1]', '"x"', '[1, true]', '[99999999999, false, 0]', '[1, 1, 0]', '[1, false, 99]',
     '[-1, false, 0]', 'not json'
 ])
 def test_process_0_refuses_a_vote_that_is_not_one(vote):
-  store = _Store()
-  agree = _agreement(0, store)
-  try:
-    _voted(agree, store)
-    store.key_value_set('jaxckpt/run/round/0/vote/1', vote)  # process 1's word
-    t0 = time.monotonic()
-    with pytest.raises(JaxckptError, match='E-DIST-005') as e:
-      _step(agree, 2)
-    assert time.monotonic() - t0 < 10, 'refused at once, not after the timeout'
-    assert f'process 1 voted {vote[:20]!r}'[:-1] in str(e.value), str(e.value)
-    with pytest.raises(JaxckptError, match='E-DIST-005'):  # and every later step
-      _step(agree, 3)
-  finally:
-    agree.close()
+  line = _refusal(0, 'vote/1', vote)  # process 1's vote
+  assert f'process 1 voted {vote[:20]!r}'[:-1] in line, line
 
 
 @pytest.mark.parametrize(
     'outcome',
     ['[99999999999, false, 0]', '[5]', '5', '{"missing": 7}', '[5, false, 99]', '{"x": 1}'])
 def test_another_process_refuses_an_outcome_that_is_not_one(outcome):
-  store = _Store()
-  agree = _agreement(1, store)
-  try:
-    _voted(agree, store)
-    store.key_value_set('jaxckpt/run/round/0/outcome', outcome)  # process 0's word
-    t0 = time.monotonic()
-    with pytest.raises(JaxckptError, match='E-DIST-005') as e:
-      _step(agree, 2)
-    assert time.monotonic() - t0 < 10, 'refused at once, not after the timeout'
-    assert 'a save or stop vote that is not one: process 0 posted the outcome' in str(e.value)
-  finally:
-    agree.close()
+  line = _refusal(1, 'outcome', outcome)  # process 0's outcome
+  assert 'a save or stop vote that is not one: process 0 posted the outcome' in line, line
 
 
 def test_a_vote_that_is_one_is_agreed():
