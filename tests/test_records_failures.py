@@ -33,7 +33,8 @@ def test_a_data_error_mid_run_marks_the_run_failed(trainer, tmp_path):
                      timeout=300,
                      cwd=REPO,
                      env=subprocess_env(trainer.cache))
-  assert 'E-DATA-002' in assert_refused(r, 'E-DATA-002')
+  line = assert_refused(r, 'E-DATA-002')
+  assert 'fix the data' in line and 'raise model.vocab_size' not in line, line  # E-PARAM-002
   assert read_status(tmp_path / 'w')['state'] == 'failed'  # not `running` for a dead pid
   ends = events_of(tmp_path / 'w', 'failed')
   assert len(ends) == 1 and 'E-DATA-002' in ends[0]['error']

@@ -219,13 +219,18 @@ class Dataset:
     if self.vocab_size and int(chunk.max()) >= self.vocab_size:
       # A large source is not scanned whole at the start; an out-of-range id would be clamped
       # silently by the embedding's gather, so it is refused where it is read.
-      raise _too_large(self.sources[source].name, int(chunk.max()), self.vocab_size)
+      raise _too_large(self.sources[source].name, int(chunk.max()), self.vocab_size, mid_run=True)
     return chunk[:, :-1], chunk[:, 1:]
 
 
-def _too_large(name: str, token: int, vocab: int) -> ConfigError:
+def _too_large(name: str, token: int, vocab: int, mid_run: bool = False) -> ConfigError:
+  # Found while training, the model's checkpoints have this vocabulary: a resume under a larger
+  # one is refused (E-PARAM-002), so the data is what to fix.
+  fix = ('fix the data (every id below model.vocab_size), then run the same command: it resumes '
+         'from the last checkpoint; a larger vocabulary is a new run') if mid_run else \
+      'raise model.vocab_size or fix the data'
   return ConfigError('E-DATA-002', f'data source {name} has token id {token} but '
-                     f'model.vocab_size={vocab}', 'raise model.vocab_size or fix the data')
+                     f'model.vocab_size={vocab}', fix)
 
 
 def _split(name: str, tokens: Tokens, cfg) -> Source:
