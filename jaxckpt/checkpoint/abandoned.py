@@ -39,15 +39,17 @@ def record(root: Path, step: int) -> dict[int, str]:
   abandoned, and one deleted here may still be in `--remote`. `step` itself, the checkpoint the
   run continues from, is not. Returns the record; none left: removed."""
   committed = layout.committed_steps(root)
-  gone = {
-      s: seal
-      for s, seal in recorded(root).items()
-      if s != step and (s not in committed or _seal(committed[s]) == seal)
-  }
+  gone = _unreplaced(_read(root)[1], committed)
+  gone.pop(step, None)
   gone.update({s: _seal(p) for s, p in committed.items() if s > step})
   gone = {s: seal for s, seal in sorted(gone.items()) if seal is not None}
   _write(root, step, gone)
   return gone
+
+
+def _unreplaced(table: Mapping[int, str], committed: Mapping[int, Path]) -> dict[int, str]:
+  """The entries of `table` not committed again with another seal (gone here, or the same)."""
+  return {s: seal for s, seal in table.items() if s not in committed or _seal(committed[s]) == seal}
 
 
 def _write(root: Path, step: int, gone: Mapping[int, str]) -> None:
@@ -64,25 +66,31 @@ def recorded(root: Path) -> dict[int, str]:
   """{step: seal} of the record; {} when there is none. A record that is not one a writer gives
   is ignored, with a warning: the abandoned checkpoints are then candidates again, as they were
   before it, and nothing is deleted for it."""
+  return _read(root)[1]
+
+
+def _read(root: Path) -> tuple[int, dict[int, str]]:
+  """(the step the run went back to, `recorded`'s table)."""
   path = root / FILE
   try:
     with open(path, 'rb') as f:
       raw = f.read(_MAX_BYTES + 1)
   except FileNotFoundError:
-    return {}
+    return 0, {}
   except OSError as e:
     _log.warning('cannot read %s (%s): checkpoints it names are not passed over', path, e)
-    return {}
+    return 0, {}
   try:
     found = json.loads(raw) if len(raw) <= _MAX_BYTES else None
     table = found.get('abandoned') if isinstance(found, Mapping) else None
     out = {int(s): seal for s, seal in table.items() if isinstance(seal, str)}
     if len(out) == len(table) and all(s >= 0 for s in out):
-      return out
+      step = found.get('from_step')
+      return (step if type(step) is int else 0), out  # pylint: disable=unidiomatic-typecheck
   except (ValueError, RecursionError, AttributeError, TypeError):
     pass
   _log.warning('%s is not a record of abandoned checkpoints: ignored', path)
-  return {}
+  return 0, {}
 
 
 def steps(root: Path, committed: Mapping[int, Path] | None = None) -> set[int]:
@@ -91,21 +99,20 @@ def steps(root: Path, committed: Mapping[int, Path] | None = None) -> set[int]:
   if not table:
     return set()
   committed = layout.committed_steps(root) if committed is None else committed
-  return {s for s, seal in table.items() if s in committed and _seal(committed[s]) == seal}
+  return {s for s in _unreplaced(table, committed) if s in committed}
 
 
 def left(root: Path, committed: Mapping[int, Path]) -> set[int]:
   """`steps`, for the writer after a commit. An entry goes from the record once its step is
   committed again with another seal (the replay replaced it); one whose checkpoint was deleted
   here stays, as `--remote` may still hold it. None left: the record goes."""
-  table = recorded(root)
+  step, table = _read(root)
   if not table:
     return set()
-  kept = {s: seal for s, seal in table.items() if s not in committed or _seal(committed[s]) == seal}
+  kept = _unreplaced(table, committed)
   if kept != table:
     try:
-      found = json.loads((root / FILE).read_bytes())
-      _write(root, int(found.get('from_step', 0)), kept)
-    except (OSError, ValueError, TypeError, AttributeError):
+      _write(root, step, kept)
+    except OSError:
       pass  # the entries are checked by seal whenever they are read: stale ones do no harm
   return {s for s in kept if s in committed}
