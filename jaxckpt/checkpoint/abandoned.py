@@ -7,9 +7,11 @@ a crash before the replay gets there resumes the history the run is on, not the 
 
 `record(root, R)` (`CheckpointManager.continue_from`) writes their steps and seals, durably,
 before the first step; `steps(root)` is what is still abandoned: a step the replay rewrote has
-another seal and counts again (the record goes once none is left: `left`, after each commit). `discovery.latest_intact` passes over them, and retention neither
-counts them in `keep` nor deletes them (`jaxckpt delete` does). The record is this directory's:
-a checkpoint copied elsewhere, or downloaded from a store, carries no word of it.
+another seal and counts again (the record goes once none is left: `left`, after each commit).
+`discovery.latest_intact` passes over them, and retention neither counts them in `keep` nor
+deletes them (`jaxckpt delete` does). The record is this directory's:
+a checkpoint copied elsewhere carries no word of it; a remote tier keeps its own
+(`remote.abandoned`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Mapping
 from . import atomic, layout, manifest
 
 FILE = 'abandoned.json'
-_MAX_BYTES = 1 << 20  # a step and a seal per checkpoint: far below this
+MAX_BYTES = 1 << 20  # a step and a seal per checkpoint: far below this
 _log = logging.getLogger(__name__)
 
 
@@ -55,8 +57,7 @@ def _unreplaced(table: Mapping[int, str], committed: Mapping[int, Path]) -> dict
 def _write(root: Path, step: int, gone: Mapping[int, str]) -> None:
   path = root / FILE
   if gone:
-    table = {str(s): seal for s, seal in gone.items()}
-    atomic.write_json_durably(path, {'from_step': step, 'abandoned': table})
+    atomic.write_json_durably(path, encode(step, gone))
   elif path.exists():
     path.unlink()
     atomic.fsync_dir(root)
@@ -74,14 +75,21 @@ def _read(root: Path) -> tuple[int, dict[int, str]]:
   path = root / FILE
   try:
     with open(path, 'rb') as f:
-      raw = f.read(_MAX_BYTES + 1)
+      raw = f.read(MAX_BYTES + 1)
   except FileNotFoundError:
     return 0, {}
   except OSError as e:
     _log.warning('cannot read %s (%s): checkpoints it names are not passed over', path, e)
     return 0, {}
+  return parse(raw, str(path))
+
+
+def parse(raw: bytes, where: str) -> tuple[int, dict[int, str]]:
+  """(the step the run went back to, {step: seal}) of a record's bytes, read from `where`; one
+  that is not a record a writer gives (over MAX_BYTES, not JSON, a name that is no step, a seal
+  that is no string) is (0, {}), with a warning: nothing is passed over for it."""
   try:
-    found = json.loads(raw) if len(raw) <= _MAX_BYTES else None
+    found = json.loads(raw) if len(raw) <= MAX_BYTES else None
     table = found.get('abandoned') if isinstance(found, Mapping) else None
     out = {int(s): seal for s, seal in table.items() if isinstance(seal, str)}
     if len(out) == len(table) and all(s >= 0 for s in out):
@@ -89,8 +97,13 @@ def _read(root: Path) -> tuple[int, dict[int, str]]:
       return (step if type(step) is int else 0), out  # pylint: disable=unidiomatic-typecheck
   except (ValueError, RecursionError, AttributeError, TypeError):
     pass
-  _log.warning('%s is not a record of abandoned checkpoints: ignored', path)
+  _log.warning('%s is not a record of abandoned checkpoints: ignored', where)
   return 0, {}
+
+
+def encode(step: int, gone: Mapping[int, str]) -> dict:
+  """The record of the checkpoints `gone` ({step: seal}) a run abandoned going back to `step`."""
+  return {'from_step': step, 'abandoned': {str(s): seal for s, seal in sorted(gone.items())}}
 
 
 def steps(root: Path, committed: Mapping[int, Path] | None = None) -> set[int]:

@@ -21,8 +21,9 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from jaxckpt.checkpoint import CheckpointError, layout
+from jaxckpt.checkpoint import CheckpointError, abandoned, atomic, layout
 from jaxckpt.checkpoint.remote import Store, StoreError, objects
+from jaxckpt.checkpoint.remote import abandoned as remote_abandoned
 from jaxckpt.errors import UsageError
 
 _URL = re.compile(r'^[a-zA-Z][a-zA-Z0-9+.-]*://')
@@ -70,8 +71,10 @@ def open_run(url: str) -> Store:
 
 
 def newest(store: Store) -> int:
+  """The run's newest intact checkpoint: of the history it is on, before any it abandoned."""
   with _url_errors():
-    step, skipped = objects.latest_intact(store)
+    step, skipped = objects.latest_intact(
+        store, last=remote_abandoned.held(store, objects.committed(store)))
   if step is None:
     why = f' (newest: step {skipped[0][0]}: {skipped[0][1]})' if skipped else ''
     raise UsageError('E-STORE-009', f'{store.url} holds no intact checkpoint{why}',
@@ -96,10 +99,11 @@ def local_checkpoint(arg: str) -> Iterator[Path]:
 
 
 def _download_newest(store: Store, root: Path) -> Path:
-  """The newest remote checkpoint that downloads intact, into `root`."""
+  """The newest remote checkpoint that downloads intact, into `root` (one the run abandoned
+  when it went back to an older one only when nothing else is)."""
   skipped: list[tuple[int, str]] = []
   try:
-    steps = sorted(objects.committed(store), reverse=True)
+    steps, _ = remote_abandoned.newest_first(store, objects.committed(store))
   except StoreError as e:
     raise UsageError(e.code, e.what, e.fix) from None
   for step in steps:
@@ -125,19 +129,24 @@ def _download_newest(store: Store, root: Path) -> Path:
 @contextlib.contextmanager
 def local_run(arg: str) -> Iterator[Path]:
   """`arg` when local; for a run's URL, a temporary run directory holding every intact remote
-  checkpoint and the newest one's records (loss history, events...)."""
+  checkpoint and the newest one's records (loss history, events...), and the record of those
+  the run abandoned (`remote.abandoned`): the newest is then the history's the run is on."""
   if not is_url(arg):
     yield Path(arg)
     return
   store = open_run(arg)
   with _tempdir() as tmp:
-    steps = sorted(objects.committed(store))
+    with _url_errors():
+      gone = remote_abandoned.recorded(store)
+      steps, _ = remote_abandoned.newest_first(store, objects.committed(store))
     records: dict[str, bytes] = {}
-    for step in steps:
+    for step in reversed(steps):  # the records: the first intact one's in the order a start takes
       try:
-        _, records = objects.download(store, step, tmp / 'checkpoints')
+        records = objects.download(store, step, tmp / 'checkpoints')[1]
       except CheckpointError as e:
         print(f'jaxckpt: passing over remote step {step}: {e.line()}')
+    if gone and (tmp / 'checkpoints').is_dir():  # `inspect` of it passes over the same
+      atomic.write_json_durably(tmp / 'checkpoints' / abandoned.FILE, abandoned.encode(0, gone))
     for name, data in records.items():  # plain names: the download refuses any other
       layout.safe_member(tmp, name).write_bytes(data)
     yield tmp

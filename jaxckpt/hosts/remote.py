@@ -196,10 +196,14 @@ class RemoteRun:
     runlog.event('remote', url=self.store.url, lease='on' if self.lease else 'off')
     runlog.status(remote=self.store.url, **self.status())
 
-  def started(self, resumed_from: Path | None, ckpt_dir: Path) -> None:
-    """The run continues from `resumed_from` (None: a fresh start): the checkpoint the stop line
-    and the cadence speak of until the next commit. A fallback to another checkpoint than the
-    one `attach` queued (the one asked for was damaged) queues that one instead."""
+  def started(self, resumed_from: Path | None, ckpt_dir: Path, step: int) -> None:
+    """The run continues from `resumed_from` (None: a fresh start) at `step`: the checkpoint the
+    stop line and the cadence speak of until the next commit. A fallback to another checkpoint
+    than the one `attach` queued (the one asked for was damaged) queues that one instead.
+    Process 0 records the remote checkpoints above `step` as abandoned (`send_abandoned`):
+    neither a fresh machine's start nor remote retention takes them for this history's."""
+    if self.leader:
+      self.uploader.abandoned = remote_start.send_abandoned(self, step, ckpt_dir)
     if self._submitted != resumed_from:
       self._submit_start(resumed_from, ckpt_dir)
 

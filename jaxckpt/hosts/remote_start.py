@@ -7,6 +7,9 @@ of either tier, before the workdir's records are opened (a download replaces the
   one: with nothing local to continue from, the start is refused (E-RESUME-004), as a workdir
   whose checkpoints are all damaged is. `--resume=none` against a remote that holds committed
   checkpoints is refused (E-RESUME-001), as against a workdir that does.
+- A remote checkpoint the run abandoned when it went back to an older one (named by the
+  workdir's `abandoned.json` or the remote's `run/abandoned.json`, which `send_abandoned` writes
+  before the first step) is taken only when nothing else, local or remote, is intact.
 - A local checkpoint that fails its checksums while it is restored is replaced by the remote's
   intact copy of the same step (`replace_damaged`), not passed over for an older local one.
 - The run's events travel with each checkpoint as of its save; at the end of each start, after
@@ -32,9 +35,10 @@ from typing import Any, Callable
 
 from absl import logging
 
-from jaxckpt.checkpoint import CheckpointError, abandoned, atomic, beside, discovery, layout, manifest
+from jaxckpt.checkpoint import CheckpointError, abandoned, atomic, beside, discovery, layout
 from jaxckpt.checkpoint.checksum import crc32
 from jaxckpt.checkpoint.remote import LeaseError, StoreError, objects
+from jaxckpt.checkpoint.remote import abandoned as remote_abandoned
 from jaxckpt.checkpoint.remote.store import StoreTimeout
 from jaxckpt.checkpoint.remote.bounds import MAX_MANIFEST_BYTES, read_prefix
 from jaxckpt.errors import ResumeError
@@ -74,16 +78,21 @@ def sync_down(run,
         'history', 'use --resume=latest to continue, or a new --remote prefix and --workdir to '
         'start over')
   passed: list[tuple[int, str]] = []
-  left = abandoned.recorded(ckpt_dir)  # {step: seal} this workdir's run went back from
-  for step, keys in sorted(committed.items(), reverse=True):
-    raw, _, _, problems = objects.inspect(run.store, step, keys)
-    if step in left and raw is not None and manifest.seal_of(raw) == left[step]:
+  # What this run abandoned (the workdir's record, or the remote's when the disk was lost) comes
+  # after the rest: only when nothing local is there and nothing else remote is intact.
+  order, left = remote_abandoned.newest_first(run.store, committed, [abandoned.recorded(ckpt_dir)])
+  for step in order:
+    if step in left and (local_step is not None or run.start_step is not None):
       logging.info('passing over remote step %d: %s', step, discovery.ABANDONED)
       continue
+    _, _, _, problems = objects.inspect(run.store, step, committed[step])
     if problems:
       logging.warning('passing over remote step %d: %s', step, problems[0])
       passed.append((step, problems[0]))
       continue
+    if step in left:
+      logging.warning('taking remote step %d, which the run abandoned: nothing else is intact',
+                      step)
     if run.start_step is None:
       run.start_step = step
     if local_step is not None and local_step >= step:
@@ -228,6 +237,33 @@ def send_events(run, timeout: float) -> str | None:
   return None
 
 
+def send_abandoned(run, step: int, ckpt_dir: Path, timeout: float = 60) -> dict[int, str]:
+  """Process 0, at a start that continues from `step`, before its first step: the checkpoints
+  it abandons, in `URL/run/abandoned.json` (`remote.abandoned.send`), fenced by the lease. A
+  store that does not take it within `timeout` seconds is a warning: a machine that starts from
+  the remote alone before the replay replaces them would take the newest of them. Returns the
+  record ({step: seal}; the workdir's when the store failed)."""
+  local = abandoned.recorded(ckpt_dir)
+  try:
+    gone = remote_abandoned.send(
+        run.store,
+        step,
+        local,
+        may_write=run.lease.writable if run.lease is not None else lambda what: None,
+        timeout=timeout)
+  except (StoreError, LeaseError, TimeoutError) as e:
+    what = e.what if isinstance(e, CheckpointError) else f'no answer within {timeout:.0f} s'
+    logging.warning(
+        'could not record the abandoned checkpoints in %s (%s): a machine that starts from '
+        'the remote alone, before the replay replaces them, would take the newest of them',
+        run.store.join(remote_abandoned.KEY), what)
+    return local
+  if gone:
+    logging.info('recorded %d abandoned remote checkpoint(s) in %s (steps %s)', len(gone),
+                 run.store.join(remote_abandoned.KEY), ', '.join(map(str, sorted(gone))))
+  return gone
+
+
 def tail(events: bytes, start: int) -> bytes:
   """`URL/run/events.jsonl` for the run's `events` when a commit holds their first `start`
   bytes: a line saying so (with their CRC-32), then the bytes from `start` on; `events` whole
@@ -333,6 +369,6 @@ class _Progress:
 
 
 __all__ = [
-    'APPEND_ONLY', 'REWRITTEN', 'RUN_EVENTS', 'fetch_step', 'fetched', 'later_events',
-    'replace_damaged', 'send_events', 'sync_down', 'take_records'
+    'APPEND_ONLY', 'REWRITTEN', 'RUN_EVENTS', 'fetch_step', 'send_abandoned', 'fetched',
+    'later_events', 'replace_damaged', 'send_events', 'sync_down', 'take_records'
 ]

@@ -249,7 +249,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict,
       if distributed.leader():  # process 0 writes the records, TensorBoard's too
         tensorboard.mirror(runlog, config, first_step=step)
       if remote is not None:  # the checkpoint it continues from, after any fallback
-        remote.started(session.resumed_from, ckpt_dir)
+        remote.started(session.resumed_from, ckpt_dir, step)
       distributed.started()
       with stepwatch.watching(step_timeout_secs, runlog, step):  # a hung step ends the run
         return _loop(session, state, step, cadence)

@@ -7,6 +7,7 @@
     lease       one writer per remote prefix, through conditional writes
     segments    records that only grow (the loss history), sent by segment: what was appended
     pacing      request rates: the job's share per process, paced keys, retries after a 503
+    abandoned   the checkpoints a run went back from, as the remote knows them: never the newest
 """
 
 from .lease import Lease, LeaseError

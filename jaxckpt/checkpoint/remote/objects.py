@@ -277,11 +277,14 @@ def inspect(
   return raw, m, meta, problems
 
 
-def latest_intact(store: Store) -> tuple[int | None, list[tuple[int, str]]]:
-  """(newest remote step whose objects are all there, [(newer step, problem)] passed over)."""
+def latest_intact(
+    store: Store, last: Collection[int] = ()) -> tuple[int | None, list[tuple[int, str]]]:
+  """(newest remote step whose objects are all there, [(newer step, problem)] passed over).
+  The steps in `last` (`remote.abandoned.held`) are tried after all the others."""
   skipped = []
-  for step, keys in sorted(committed(store).items(), reverse=True):
-    _, _, _, problems = inspect(store, step, keys)
+  found = committed(store)
+  for step in sorted(found, key=lambda s: (s not in last, s), reverse=True):
+    _, _, _, problems = inspect(store, step, found[step])
     if not problems:
       return step, skipped
     skipped.append((step, problems[0]))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..errors import CheckpointError
+from ..manifest import seal_of
 from ..policy import RetentionPolicy, manifest_fields, pins
 from .lease import Lease, LeaseError
 from .mirror import Mirror
@@ -83,6 +84,10 @@ class Uploader:
     self._epoch = 0  # one more at each replay: an upload of an earlier one is not durable now
     self._fields: dict[int, dict[str, Any] | None] = {}  # `manifest_fields` of remote steps
     self._metas: dict[int, dict[str, Any] | None] = {}  # their remote.json: attempt, records
+    self._seals: dict[int, str | None] = {}  # their manifests' seals
+    # {step: seal} of the remote checkpoints the run abandoned (`remote.abandoned`): retention
+    # neither counts them nor deletes them; the replay replaces them (process 0's `started`).
+    self.abandoned: Mapping[int, str] = {}
     self._segments = Segments()  # the records sent by segment (process 0's)
     self._seeded = self._swept = False  # once per uploader: segments taken, unnamed removed
     self._unnamed: dict[str, float] = {}  # segment key: when a sweep first found it unnamed
@@ -131,7 +136,7 @@ class Uploader:
   def committed_size(self, name: str) -> int:
     """The bytes of record `name` (sent by segment) that both this writer's last commit and the
     newest remote step it knows of hold (after a replay, the abandoned future's, which a fresh
-    machine still downloads first), as its file still holds them; 0 when it knows of none."""
+    machine takes when nothing else is intact), as its file still holds them; 0 when it knows of none."""
     _, held = self._segments.known.get(name, (None, []))
     sizes = [held[-1].end if held else 0]
     if self._metas:
@@ -270,8 +275,8 @@ class Uploader:
     # What the step's commit was (a replay replaces it) is known again only once this upload
     # committed, or from the store: an upload that fails after its commit landed names other
     # segments than the commit it replaced.
-    self._fields.pop(step, None)
-    self._metas.pop(step, None)
+    for known in (self._fields, self._metas, self._seals):
+      known.pop(step, None)
     data = {n: (r() if callable(r) else r) for n, r in records.items()}
     if not self._seeded and any(isinstance(r, Appended) for r in data.values()):
       self._seed(data)
@@ -290,7 +295,7 @@ class Uploader:
     if parts is not None:
       parts.forget(step)  # committed: the words are not needed again (a retry needs them)
     seconds = time.monotonic() - t0
-    self._fields[step] = manifest_fields(m)
+    self._fields[step], self._seals[step] = manifest_fields(m), m.get('manifest_crc32')
     self._metas[step] = {'attempt': self.attempt, 'records': self._segments.last}
     self._apply_retention(step)
     if self._mirror is not None:  # before `remote_step` moves: a waiter sees the exports too
@@ -342,28 +347,31 @@ class Uploader:
 
   def _apply_retention(self, newest: int) -> None:
     try:
-      remote, abandoned = steps(self.store)  # one listing for both
+      remote, unfinished = steps(self.store)  # one listing for both
       for s in remote:
-        if s not in self._fields:
-          _, m, meta, _ = inspect(self.store, s, remote[s])
+        if s not in self._seals:
+          raw, m, meta, _ = inspect(self.store, s, remote[s])
           self._fields[s] = None if m is None else manifest_fields(m)  # None: kept, unknown why
-          self._metas[s] = meta
-      records = {s: self._fields[s] for s in remote}
+          self._metas[s], self._seals[s] = meta, None if raw is None else seal_of(raw)
+      left = {s for s in remote if s in self.abandoned and self._seals[s] == self.abandoned[s]}
+      records = {s: self._fields[s] for s in remote if s not in left}
       metric = {
           s: v
           for s, f in records.items()
           if isinstance(v := ((f or {}).get('metrics') or {}).get(self._best_metric), (int, float))
       }
       # What a checkpoint's own manifest says is kept stays kept remotely too; newest-K counts
-      # this history (up to the step just committed), never a replay's abandoned future.
+      # this history (up to the step just committed), never a replay's abandoned future, nor
+      # what it abandoned below that step (one its cadence did not save again).
       doomed = [
-          s for s in self.retention.to_delete(remote, metric, newest=newest, pinned=pins(records))
+          s for s in self.retention.to_delete(records, metric, newest=newest, pinned=pins(records))
           if s < newest
       ]
-      doomed += [s for s in abandoned if s < newest]  # the parts of abandoned uploads
+      doomed += [s for s in unfinished if s < newest]  # the parts of abandoned uploads
       for s in doomed:
         delete(self.store, s, self._may_delete)
         self._fields.pop(s, None)
+        self._seals.pop(s, None)
       # Attempts beside a kept step's commit: a stale writer's, a failed or replaced upload's.
       debris = [
           k for s in remote if s < newest and s not in doomed and self._metas.get(s) is not None

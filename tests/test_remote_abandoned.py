@@ -1,0 +1,104 @@
+"""The checkpoints a run abandoned, as the remote knows them (`URL/run/abandoned.json`): a fresh
+machine, a tool reading the run's URL and remote retention all take the history the run is on,
+and an abandoned checkpoint only when nothing else is intact. Against a path store (a mounted
+disk) and moto's S3 server."""
+
+import jax.numpy as jnp
+import pytest
+from conftest import wait_for
+
+from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, RetentionPolicy, abandoned, layout
+from jaxckpt.checkpoint.remote import Store, Uploader, objects
+from jaxckpt.checkpoint.remote import abandoned as remote_abandoned
+from jaxckpt.cli import remote_args
+
+
+def _checkpoints(root, value, *steps):
+  with CheckpointManager(root, CheckpointOptions(keep=0, mode='sync')) as mgr:
+    for step in steps:
+      mgr.save(step, {'w': jnp.full((64,), value + step, jnp.float32)}, {'step': step})
+  return root
+
+
+@pytest.fixture(scope='module')
+def histories(tmp_path_factory):
+  """(the first history's steps 10-40, the replay's 25-35 after it went back to step 20)."""
+  tmp = tmp_path_factory.mktemp('histories')
+  return _checkpoints(tmp / 'old', 0, 10, 20, 30, 40), _checkpoints(tmp / 'new', 1000, 25, 30, 35)
+
+
+@pytest.fixture(params=['path', 's3'])
+def store(request, tmp_path):
+  if request.param == 's3':
+    return Store(request.getfixturevalue('s3_server').bucket())
+  return Store(f'file://{tmp_path}/run')
+
+
+def _up(store, root, *steps):
+  for step in steps:
+    objects.upload(store, root / layout.step_dirname(step), {})
+
+
+def test_a_fresh_machine_and_the_tools_take_the_history_the_run_is_on(store, histories, tmp_path):
+  old, new = histories
+  _up(store, old, 10, 20, 30, 40)
+  # The run went back to step 20 (its workdir's record names 30 and 40) and stopped at 25.
+  gone = remote_abandoned.send(store, 20, {})
+  assert sorted(gone) == [30, 40] and remote_abandoned.recorded(store) == gone
+  _up(store, new, 25)
+  committed = objects.committed(store)
+  assert remote_abandoned.newest_first(store, committed) == ([25, 20, 10, 40, 30], {30, 40})
+  assert objects.latest_intact(store, last={30, 40}) == (25, [])
+  assert remote_args.newest(store) == 25  # `jaxckpt export URL` and the like
+  with remote_args.local_checkpoint(store.url) as path:
+    assert path.name == 'step_00000025'
+  with remote_args.local_run(store.url) as run:  # `jaxckpt inspect URL`: its newest is 25
+    assert abandoned.steps(run / 'checkpoints') == {30, 40}
+  # The replay uploads step 30 again: another seal, this history's now; 40 still abandoned.
+  _up(store, new, 30)
+  assert remote_args.newest(store) == 30
+  assert remote_abandoned.held(store, objects.committed(store)) == {40}
+  # Nothing of the history the run is on intact: what it abandoned is better than nothing.
+  for step in (10, 20, 25, 30):
+    objects.delete(store, step, lambda what: None)
+  assert remote_args.newest(store) == 40
+
+
+def test_a_later_start_keeps_what_the_replay_skipped_and_writes_only_a_change(store, histories):
+  old, new = histories
+  _up(store, old, 10, 20, 30, 40)
+  first = remote_abandoned.send(store, 20, {})
+  _up(store, new, 25, 35)  # the replay's cadence skipped 30
+  # The next start continues from 35: 40 is above it, and 30 is still the old history's.
+  assert remote_abandoned.send(store, 35, {}) == first
+  assert remote_abandoned.held(store, objects.committed(store)) == {30, 40}
+  # A workdir's record names a seal the remote does not hold: nothing of it is taken.
+  assert remote_abandoned.send(store, 35, {10: '00000000'}) == first
+  written = []
+  remote_abandoned.send(store, 35, {}, may_write=written.append)
+  assert written == []  # unchanged: not written again (the lease is asked only for a write)
+
+
+@pytest.mark.parametrize('record', [b'{', b'[]', b'{"abandoned": {"x": "1"}}', b'[' * 100_000])
+def test_a_remote_record_that_is_not_one_is_ignored(histories, tmp_path, record):
+  store = Store(str(tmp_path / 'run'))
+  _up(store, histories[0], 10, 20)
+  store.write(remote_abandoned.KEY, record)
+  assert remote_abandoned.recorded(store) == {}
+  assert remote_args.newest(store) == 20
+
+
+def test_remote_retention_neither_counts_nor_deletes_what_the_run_abandoned(s3_server, histories):
+  old, new = histories
+  store = Store(s3_server.bucket())
+  _up(store, old, 10, 20, 30, 40)
+  uploader = Uploader(store, retention=RetentionPolicy(keep=2))
+  try:
+    uploader.abandoned = remote_abandoned.send(store, 20, {})  # what process 0's start does
+    for step in (25, 35):  # the replay uploads 25 and 35; its cadence skips 30
+      uploader.submit(step, new / layout.step_dirname(step))
+      assert uploader.wait(step, timeout=60)
+  finally:
+    uploader.close()
+  # keep=2 counts this history's 25 and 35: the old 30 between them is not one of the two.
+  wait_for(lambda: sorted(objects.committed(store)) == [25, 30, 35, 40], timeout=10)
