@@ -139,9 +139,11 @@ def test_steps_replayed_past_damaged_checkpoints_are_checkpointed_again(
   shutil.copytree(straight[1], workdir)
   for step in (70, 80):
     flip_a_data_byte(workdir / 'checkpoints' / f'step_{step:08d}')
-  r = trainer.train(workdir, *RUN_FLAGS)
+  r = trainer.train('run', *RUN_FLAGS, cwd=tmp_path)  # a relative --workdir
   assert r.returncode == 0, r.stderr
   assert [e['step'] for e in events_of(workdir, 'resumed')] == [60]
+  # Each damaged checkpoint is read once and said once, whatever way the workdir was spelled.
+  assert r.stderr.count('passing over') == 2, r.stderr
   events = read_events(workdir)
   resumed_at = max(i for i, e in enumerate(events) if e['event'] == 'resumed')
   assert [e['step'] for e in events[resumed_at:] if e['event'] == 'checkpoint'] == [70, 80]

@@ -118,8 +118,11 @@ def start(session: Session, resume: str, resume_dir: Path | None) -> tuple[Train
     problem = distributed.first_problem(f'resume/{len(known_bad)}', problem)
     if problem is None:
       return started
-    replaced = None if resume_dir in known_bad else _from_remote(session, resume_dir)
-    known_bad[resume_dir] = problem
+    # Keyed as `latest` lists them (under the manager's absolute directory): a relative
+    # --workdir's checkpoint is not read a second time under its other name.
+    bad = resume_dir.absolute()
+    replaced = None if bad in known_bad else _from_remote(session, resume_dir)
+    known_bad[bad] = problem
     if replaced is None:
       logging.warning('passing over %s: %s', resume_dir, problem)
     # Across processes: one that cannot choose stops them all, and all must choose the same.
