@@ -169,3 +169,14 @@ def test_an_empty_resume_mode_is_never_latest(trainer, tmp_path):
   assert trainer_flags.resume_mode(None, {}) == 'latest'
   assert trainer_flags.resume_mode(None, {'JAXCKPT_RESUME': 'none'}) == 'none'
   assert trainer_flags.resume_mode('latest', {'JAXCKPT_RESUME': ''}) == 'latest'  # the flag wins
+
+
+def test_a_resume_point_from_the_environment_that_is_not_there_names_the_variable(tmp_path):
+  with pytest.raises(UsageError, match='JAXCKPT_RESUME=bogus: no such file') as e:
+    trainer_flags.resume_mode(None, {'JAXCKPT_RESUME': 'bogus'})
+  assert e.value.code == 'E-RESUME-003'
+  with pytest.raises(UsageError) as e:
+    trainer_flags.resume_mode(None, {'JAXCKPT_RESUME': str(tmp_path / 'w.bin')})
+  assert e.value.code == 'E-BIN-003'
+  assert trainer_flags.resume_mode('bogus', {'JAXCKPT_RESUME': 'bogus'}) == 'bogus'  # the flag's
+  assert trainer_flags.resume_mode(None, {'JAXCKPT_RESUME': str(tmp_path)}) == str(tmp_path)

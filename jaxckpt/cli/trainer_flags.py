@@ -275,6 +275,11 @@ def resume_mode(flag_value: str | None, environ=os.environ) -> str:
           'E-RESUME-005', f'{name} is empty',
           f"give {name} a value: latest, none, or a checkpoint's path" +
           (' (or unset it)' if name == 'JAXCKPT_RESUME' else ''))
+    if name == 'JAXCKPT_RESUME' and value not in ('latest', 'none') and not os.path.exists(value):
+      code = 'E-BIN-003' if value.lower().endswith('.bin') else 'E-RESUME-003'
+      raise UsageError(
+          code, f'JAXCKPT_RESUME={value}: no such file or directory',
+          "set it to latest, none, or a checkpoint's path (or unset it, or pass --resume)")
     return value
   return 'latest'
 
