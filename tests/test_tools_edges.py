@@ -80,6 +80,27 @@ def test_plot_prints_the_path_it_wrote(run, tmp_path, capsys, out, written):
   assert sorted(os.listdir(tmp_path)) == sorted({'plots', written.split('/')[0]})
 
 
+@pytest.mark.parametrize('content, drawn, said', [
+    ({'20': {'heldout_loss': 4.6, 'path': 'x'}, '10': {'heldout_loss': 5.1}}, {10: 5.1, 20: 4.6
+                                                                              }, ''),
+    ({'x': {'heldout_loss': 4.6}}, {}, 'not the {"<step>"'),
+    ({'10': {'heldout_loss': 'NaN'}}, {}, 'not finite'),
+    ([1, 2], {}, 'not the {"<step>"'),
+])
+def test_plot_draws_what_jaxckpt_evaluate_wrote(run, tmp_path, capsys, content, drawn, said):
+  from jaxckpt.records import plot
+  workdir = copy_of(run, tmp_path)
+  (workdir / 'evaluated.json').write_text(json.dumps(content))
+  assert plot.evaluated_losses(workdir) == drawn
+  capsys.readouterr()
+  code, stdout, err = call_cli(['plot', f'--workdir={workdir}'], capsys)
+  assert code == 0 and stdout == f'{workdir / "loss.png"}\n', err
+  if said:  # a file that is not one is said, and the plot drawn all the same
+    assert err.startswith(f'jaxckpt: not drawing {workdir / "evaluated.json"}: ') and said in err
+  else:
+    assert err == ''
+
+
 # ------------------------------------------------------------------------------------- pivot
 def test_a_second_pivot_in_a_row_is_refused_and_records_nothing(run, tmp_path, capsys):
   workdir = copy_of(run, tmp_path)

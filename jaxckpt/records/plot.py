@@ -1,4 +1,6 @@
-"""`jaxckpt plot --workdir=DIR`: the loss history as a PNG, with resumes and pivots marked.
+"""`jaxckpt plot --workdir=DIR`: the loss history as a PNG, with resumes and pivots marked, and
+the held-out losses: the trainer's (`--config.train.eval_every`) and `jaxckpt evaluate`'s
+(`evaluated.json`; one that is not such a file is said on stderr and not drawn).
 
 `--out` names the file, and its suffix the format (any matplotlib writes: `.png`, `.pdf`,
 `.svg`, ...); a name without a suffix gets `.png`, and a directory (an existing one, or any name
@@ -8,13 +10,16 @@ The file is written atomically: a plot that fails leaves an older file of that n
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import sys
 from pathlib import Path
 
 from jaxckpt.checkpoint import atomic
 from jaxckpt.errors import UsageError
 from jaxckpt.records.runlog import EVENTS, read_evals, read_jsonl, read_loss_history
-from jaxckpt.records.workdir import LOSSES
+from jaxckpt.records.workdir import EVALUATED, LOSSES
 
 DEFAULT_NAME = 'loss.png'
 
@@ -49,6 +54,15 @@ def plot(workdir: str | Path, out: str | Path | None = None) -> Path:
   if evals:
     ax.plot(
         list(evals), list(evals.values()), 'o-', ms=3, color='tab:orange', label='held-out loss')
+  evaluated = evaluated_losses(workdir)
+  if evaluated:
+    ax.plot(
+        list(evaluated),
+        list(evaluated.values()),
+        's',
+        ms=4,
+        color='tab:purple',
+        label='held-out loss (jaxckpt evaluate)')
   ax.set_xlabel('step')
   ax.set_ylabel('loss')
   ax.set_title(
@@ -78,6 +92,32 @@ def _loss_history(workdir: Path) -> dict:
     raise UsageError('E-PLOT-001', f'{workdir} has no loss history ({LOSSES})',
                      'point --workdir at a run that has trained')
   return history
+
+
+def evaluated_losses(workdir: Path) -> dict[int, float]:
+  """{step: held-out loss} of `jaxckpt evaluate`'s `WORKDIR/evaluated.json`, by step; {} when there
+  is none. A file that is not one (not JSON, a step that is no number, a loss that is not finite)
+  is said on stderr, and nothing of it is drawn."""
+  path = workdir / EVALUATED
+  try:
+    with open(path, 'rb') as f:
+      raw = f.read(_MAX_EVALUATED + 1)
+    found = json.loads(raw) if len(raw) <= _MAX_EVALUATED else None
+    losses = {int(step): float(r['heldout_loss']) for step, r in found.items()}
+    if all(step >= 0 and math.isfinite(v) for step, v in losses.items()):
+      return dict(sorted(losses.items()))
+    why = 'a negative step or a loss that is not finite'
+  except FileNotFoundError:
+    return {}
+  except OSError as e:
+    why = e.strerror or str(e)
+  except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+    why = 'not the {"<step>": {"heldout_loss": ...}} that jaxckpt evaluate writes'
+  print(f'jaxckpt: not drawing {path}: {why}', file=sys.stderr)
+  return {}
+
+
+_MAX_EVALUATED = 64 << 20  # about 200 bytes a checkpoint: far more than any run holds
 
 
 def formats() -> list[str]:
