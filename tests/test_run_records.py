@@ -35,6 +35,9 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(trainer, tmp_path):
   assert r.returncode == 0, r.stderr
   taken = events_of(tmp_path, 'lock_taken_over')
   assert [e['previous']['pid'] for e in taken] == [999_999]
+  # The run's last line says where it ended, and that the checkpoint of that step is committed.
+  last = [line for line in r.stderr.splitlines() if 'loop.py' in line][-1]
+  assert last.endswith(f'finished at step 10: {tmp_path}/checkpoints/step_00000010 is committed')
 
 
 def test_lock_in_process(tmp_path):

@@ -301,7 +301,8 @@ def main(argv: list[str]) -> int:
     step_dir = _local(args.checkpoint)
     raw, m = discovery.read_manifest_bytes(step_dir)
     d = describe(step_dir, m, raw)
-  print(json.dumps(d, indent=1) if args.json else render(d))
+  # One write: output that fits the pipe is in it before a reader such as `head` can leave.
+  sys.stdout.write((json.dumps(d, indent=1) if args.json else render(d)) + '\n')
   # Exit 0 even with a seal warning: inspect shows what a manifest says; verify judges it. A
   # manifest pointing outside its checkpoint is no checkpoint: loading it would follow the path.
   outside = _outside(d)

@@ -423,6 +423,8 @@ def _loop(session: Session, state: TrainState, step: int, cadence: SaveCadence) 
     logging.info('%s arrived after the last step; the run is finished', watcher.stop_name)
   runlog.event('finished', step=step)
   runlog.status(state='finished', step=step, last_checkpoint=mgr.latest_step())
+  if step > first_step:  # a start with nothing to train said so (`_say_finished`)
+    logging.info('finished at step %d: %s is committed', step, mgr.step_dir(step))
   return state
 
 
