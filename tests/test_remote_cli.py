@@ -78,6 +78,13 @@ def test_a_url_that_names_nothing_is_a_usage_error_as_a_local_path_is(remote_run
     assert r.stderr.strip() == (f'jaxckpt: E-STORE-002: {tmp_path}/not-mounted does not exist; '
                                 'mount the disk it is on, or create that directory'), r.stderr
   assert not (tmp_path / 'hf').exists()
+  # A URL without a bucket is one, not a local path named `s3:`.
+  for args in (('inspect', 's3://'), ('verify', 'gs:///')):
+    r = jaxckpt_cli(*args)
+    assert r.returncode == 2, (args, r.stderr)
+    scheme = args[1][:5]
+    assert r.stderr.strip().endswith(
+        f'E-STORE-001: {scheme}: no bucket named; use {scheme}bucket/prefix'), r.stderr
 
 
 def test_a_checkpoint_without_its_manifest_fails_naming_it_once(remote_run):

@@ -40,7 +40,8 @@ def split(url: str) -> tuple[str, int | None]:
   m = _STEP.match(url)
   if m:
     return m['run'], layout.parse_step(m['name'])
-  url = url.rstrip('/')
+  scheme, sep, rest = url.rpartition('://')
+  url = scheme + sep + rest.rstrip('/')  # `s3://` stays a URL (without a bucket: refused)
   return (url[:-len('/checkpoints')] if url.endswith('/checkpoints') else url), None
 
 

@@ -244,7 +244,7 @@ class Store:
               'E-STORE-010', f'{op} {where} failed: {message.splitlines()[0][:300]}' +
               (f' after {time.monotonic() - t0:.0f} s' if hung else ''),
               'check that filesystem (a mount that does not answer)'
-              if hung else 'check the store and the network; the operation is retried', kind) from e
+              if hung else 'check the store and the network', kind) from e
         logging.debug('%s %s: %s; retried in %.1f s', op, where, kind, wait)
         time.sleep(wait)
 
