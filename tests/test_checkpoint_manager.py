@@ -171,8 +171,8 @@ def test_debris_is_invisible_to_readers_and_removed_by_the_next_writer(mesh, tmp
   reader = CheckpointManager(tmp_path, writer=False)
   assert reader.latest_step() == 1
   assert len(os.listdir(tmp_path)) == 4  # a reader never deletes
-  writer = CheckpointManager(tmp_path)
-  assert writer.latest_step() == 1
+  with CheckpointManager(tmp_path) as writer:
+    assert writer.latest_step() == 1
   assert os.listdir(tmp_path) == ['step_00000001']
   assert len(writer.removed_debris) == 3
 
@@ -320,6 +320,7 @@ def test_a_crash_while_replacing_a_step_leaves_one_intact_version(tmp_path, wher
   target = {'w': jax.ShapeDtypeStruct((4,), jnp.float32)}
   restored, _ = mgr.restore(1, target)
   assert np.asarray(restored['w']).tolist() == [expect] * 4
+  mgr.close()
   assert os.listdir(tmp_path) == ['step_00000001']
 
 

@@ -79,9 +79,8 @@ def test_a_checkpoint_replaced_under_verify_is_verified_again(live, monkeypatch,
   root, mgr = live
   step_2 = root / layout.step_dirname(2)
 
-  def rewrite_2():
-    with CheckpointManager(root, CheckpointOptions(keep=0, mode='sync')) as writer:
-      writer.save(2, state(-2.0))  # other values: the old manifest's checksums no longer hold
+  def rewrite_2():  # the run's one writer
+    mgr.save(2, state(-2.0))  # other values: the old manifest's checksums no longer hold
 
   fired = once(monkeypatch, manifest, 'crc32_file', under(step_2), rewrite_2)
   code, out, err = call_cli(['verify', str(root.parent)], capsys)

@@ -70,6 +70,7 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
         for n, x in want.items()
     }
     if cmd == 'replay':  # STEP kept by keep_every; process LOSER's disk loses it; `mgr` saves it
+      mgr.close()  # one writer per directory: the earlier run's, then the replay's
       first = CheckpointManager(
           directory,
           CheckpointOptions(storage=storage, barrier_timeout_secs=timeout, keep_every=int(rest[0])))
@@ -77,6 +78,8 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
       first.close()
       if process == int(rest[1]):
         shutil.rmtree(Path(directory) / f'step_{int(rest[0]):08d}')
+      mgr = CheckpointManager(directory,
+                              CheckpointOptions(storage=storage, barrier_timeout_secs=timeout))
     if cmd == 'local':  # one leaf on this process's device alone: each process has its own
       state['opt/local'] = jax.device_put(np.arange(3) + process, jax.local_devices()[0])
     if cmd == 'stall' and process == 1:

@@ -18,6 +18,7 @@ paying for jax.
     layout      names on disk, committed steps, debris;  atomic: durable writes and swaps
     discovery   the newest intact checkpoint; checking one while a live run changes it
     abandoned   checkpoints a run left above the older one it went back to: never the newest
+    single_writer  one writer per directory: a lock from open to close (E-CKPT-020)
     policy      when to save and what to keep;  retention: deleting what it lets go
     signals     preemption signals as flags
     cadence     how often to save: Young-Daly from a checkpoint's cost and the interruption rate

@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from . import (abandoned, atomic, bounded, jobcommit, layout, manifest, multihost, orbaxstore,
-               reading, replicas, retention, shardtable, statefile)
+               reading, replicas, retention, shardtable, single_writer, statefile)
 from .errors import CheckpointError
 from .formats import SAFETENSORS
 from .options import CheckpointOptions, CommitInfo
@@ -81,11 +81,12 @@ class CheckpointManager:
     # Across processes every one opens its writer, process 0 cleans up, and all save together.
     self._group = multihost.Group(
         self.options.barrier_timeout_secs) if (writer and jax.process_count() > 1) else None
-    self._saves = 0
+    self._saves, self._held = 0, None
     if writer:
       layout.check_writable(self.directory)  # here, not at the first save after a run's work
 
-      def tidy():
+      def tidy():  # the one writer here (`single_writer`), before anything of another's is touched
+        self._held = single_writer.hold(self.directory)
         self.removed_debris = layout.remove_debris(self.directory)
 
       if self._group is None:
@@ -259,6 +260,8 @@ class CheckpointManager:
         self._executor.shutdown(wait=self._stuck is None)
         self._executor = None
       self._stager.close()
+      if self._held is not None:
+        self._held.release()
 
   def __enter__(self) -> 'CheckpointManager':
     return self

@@ -1,0 +1,111 @@
+"""One writer per checkpoint directory: `.jaxckpt-writer`, held while a writer is open.
+
+Two writers on one directory undo each other: the second one's start removes the first one's
+save in progress as a crashed writer's debris, and each one's retention deletes what the other
+still counts on. So a writer (`CheckpointManager(dir)`; across processes, the one that removes
+debris: process 0 on a shared directory, each process on its own disk) takes an exclusive
+`flock` on `DIR/.jaxckpt-writer` before it touches anything, and holds it until `close()`, which
+removes the file (or until the process ends: the kernel lets go of a dead process's lock, and
+the file it leaves is taken by the next writer). A second writer is refused: ArgumentError E-CKPT-020, naming the holder (pid,
+host, since when), which the holder writes into the file. Readers (`writer=False`) take none.
+
+A filesystem that cannot lock (some network and FUSE mounts answer ENOLCK or EOPNOTSUPP) is a
+warning, once: there, one writer per directory is the caller's to keep.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+import weakref
+from pathlib import Path
+
+from .errors import ArgumentError
+
+FILE = '.jaxckpt-writer'
+_log = logging.getLogger(__name__)
+
+
+class Held:
+  """The lock of one open writer; `release()` removes its file and lets it go (also when it is
+  garbage). Removed while held: a writer that opened the file before it went finds, once it has
+  the lock, that the name is no longer its file's, and takes the new one (`hold`)."""
+
+  def __init__(self, fd: int, path: Path):
+    self._close = weakref.finalize(self, _let_go, fd, path)
+
+  def release(self) -> None:
+    self._close()
+
+
+def _let_go(fd: int, path: Path) -> None:
+  try:
+    path.unlink()
+  except OSError:
+    pass  # the next writer takes it as it is
+  finally:
+    os.close(fd)
+
+
+def hold(directory: Path) -> Held | None:
+  """Takes `directory`'s writer lock (see the module); None where the filesystem has no locks."""
+  path = Path(directory) / FILE
+  for _ in range(100):  # another writer's release between the open and the lock: open again
+    fd = _lock(path, directory)
+    if fd is None or _same(fd, path):
+      break
+    os.close(fd)
+  else:
+    raise ArgumentError('E-CKPT-020', f'{path} keeps changing under this writer',
+                        'one directory has one writer: stop the others')
+  if fd is None:
+    return None
+  me = {'pid': os.getpid(), 'host': socket.gethostname(), 'since': time.time()}
+  try:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)  # for the message a second writer gets
+  except OSError:
+    pass  # the lock holds all the same; only its holder's name is missing
+  return Held(fd, path)
+
+
+def _same(fd: int, path: Path) -> bool:
+  try:
+    return os.path.samestat(os.fstat(fd), os.stat(path))
+  except FileNotFoundError:
+    return False
+
+
+def _lock(path: Path, directory: Path) -> int | None:
+  """A descriptor of `path` with its exclusive lock; None where the filesystem has no locks."""
+  fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    holder = _holder(fd)
+    os.close(fd)
+    since = holder.get('since')
+    when = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since)) if isinstance(
+        since, (int, float)) else 'an unknown time'
+    raise ArgumentError(
+        'E-CKPT-020', f'{directory} has another writer open (pid {holder.get("pid", "?")} on '
+        f'{holder.get("host", "?")}, since {when})', 'close that CheckpointManager, or stop its '
+        'process, first: one directory has one writer (a reader opens with writer=False)') from None
+  except OSError as e:  # no locks on this filesystem
+    os.close(fd)
+    _log.warning('cannot lock %s (%s): one writer per directory is not enforced there', path,
+                 e.strerror or e)
+    return None
+  return fd
+
+
+def _holder(fd: int) -> dict:
+  try:
+    found = json.loads(os.pread(fd, 4096, 0) or b'{}')
+  except (OSError, ValueError, RecursionError):
+    return {}
+  return found if isinstance(found, dict) else {}
