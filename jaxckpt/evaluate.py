@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Any, Callable
 from jaxckpt.checkpoint import atomic, named_leaves
 from jaxckpt.errors import CheckpointError, ConfigError, UsageError
 from jaxckpt.export import frozen
+from jaxckpt.export.offline import model_config_problem
 from jaxckpt.model import gpt as model_lib
 from jaxckpt.records.workdir import EVALUATED, checkpoints_dir
 
@@ -40,16 +42,19 @@ def read_results(workdir: str | os.PathLike) -> dict[str, dict[str, Any]]:
 
 def read_results_file(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
   """The results in an `evaluated.json` file ({} when there is none)."""
+  fix = 'move it away; the evaluator then evaluates every checkpoint again'
   try:
-    results = json.loads(Path(path).read_text())
+    results = json.loads(Path(path).read_bytes())
   except FileNotFoundError:
     return {}
-  except ValueError as e:  # written atomically, so only a foreign hand can damage it
-    raise UsageError('E-EVAL-002', f'{path} is not valid JSON ({e})',
-                     'move it away; the evaluator then evaluates every checkpoint again') from e
-  if not isinstance(results, dict) or not all(isinstance(v, dict) for v in results.values()):
-    raise UsageError('E-EVAL-002', f'{path} is not an evaluated.json ({{"<step>": {{...}}}})',
-                     'move it away; the evaluator then evaluates every checkpoint again')
+  except OSError as e:  # a directory, no permission, a failing disk
+    raise UsageError('E-EVAL-002', f'{path} cannot be read: {e.strerror or e}', fix) from None
+  except (ValueError, RecursionError) as e:  # written atomically: only a foreign hand damages it
+    raise UsageError('E-EVAL-002', f'{path} is not valid JSON ({str(e)[:80]})', fix) from None
+  # Keys are steps (sorted as numbers when the file is rewritten), values objects.
+  if not isinstance(results, dict) or not all(
+      isinstance(v, dict) and re.fullmatch(r'[0-9]{1,20}', k) for k, v in results.items()):
+    raise UsageError('E-EVAL-002', f'{path} is not an evaluated.json ({{"<step>": {{...}}}})', fix)
   return results
 
 
@@ -71,6 +76,7 @@ class Evaluator:
                log: Callable[[str], None] = print,
                warn: Callable[[str], None] = lambda s: print(s, file=sys.stderr, flush=True)):
     from jaxckpt.checkpoint import CheckpointManager  # jax: only once we evaluate
+    _check_config(config)
     self.workdir = Path(workdir)
     self.mgr = CheckpointManager(checkpoints_dir(self.workdir), writer=False)
     self.config, self.log, self.warn = config, log, warn
@@ -85,6 +91,11 @@ class Evaluator:
     from jaxckpt.model import data as data_lib
     base = self.config.to_dict() if self.config is not None else {}
     config = ml_collections.ConfigDict(_merge(base, saved_config))
+    problem = model_config_problem(config.get('model', {}), complete=False)
+    if problem:  # each part was checked: only the two together can be wrong
+      raise ConfigError('E-CONFIG-001',
+                        f"the checkpoint's model config with --config's fields: {problem}",
+                        "pass a --config whose model fits the checkpoint's")
     key = _eval_key(config)
     if key not in self._trainers:
       self._trainers.clear()  # one model in memory at a time
@@ -129,6 +140,10 @@ class Evaluator:
   def evaluate(self, step: int, path: Path, meta: dict[str, Any]) -> float | None:
     """The held-out loss of one checkpoint, recorded; None when it vanished or is damaged."""
     from jaxckpt.train import state as trainer_lib
+    problem = _saved_config_problem(meta.get('config'))
+    if problem:  # a foreign or hand-edited manifest: that checkpoint cannot be evaluated
+      self._skip(step, meta.get('committed_at'), f'E-CKPT-004: {path}/manifest.json: {problem}')
+      return None
     trainer, dataset = self._trainer_and_data(meta.get('config') or {})
     abstract = trainer.abstract_state().params
     excluded = {t['name'] for t in meta.get('excluded') or []}
@@ -146,7 +161,9 @@ class Evaluator:
         return None
       if not isinstance(e, CheckpointError):
         raise
-      self._skip(step, meta.get('committed_at'), e.line())
+      # What and where only: the restore's fix (resume from another checkpoint) is a trainer's;
+      # the run's end (E-EVAL-006) says what to do about a damaged checkpoint.
+      self._skip(step, meta.get('committed_at'), f'{e.code}: {e.what}')
       return None
     dotted = {'.'.join(n.split('/')[1:]): x for n, x in flat.items()}
     params = model_lib.unflatten_params({**dotted, **from_file}, abstract)
@@ -180,8 +197,11 @@ class Evaluator:
     except (CheckpointError, OSError):
       return False
     done = self.results.get(str(step))
-    return bool(meta.get('finished')) and done is not None and \
-        done.get('committed_at') == meta.get('committed_at')
+    evaluated = done is not None and done.get('committed_at') == meta.get('committed_at')
+    # A damaged last checkpoint is done with too (warned of, and named at the end): waiting for
+    # it would wait forever, as a finished run writes no other.
+    return bool(meta.get('finished')) and (evaluated or
+                                           (step, meta.get('committed_at')) in self._failed)
 
   def follow(self, poll_secs: float = 2.0, sleep: Callable[[float], None] = time.sleep) -> None:
     """Evaluate new commits as they appear; return after the run's finished checkpoint."""
@@ -194,6 +214,32 @@ class Evaluator:
         self.log(f'waiting for new checkpoints in {self.mgr.directory} (every {poll_secs:g} s)')
         waiting_said = True
       sleep(poll_secs)
+
+
+def _check_config(config) -> None:
+  """A --config (the fields a checkpoint's config lacks): a ConfigDict, its model's fields usable
+  (UsageError, exit 2, before anything is read)."""
+  if config is None:
+    return
+  if not hasattr(config, 'to_dict'):
+    raise UsageError(
+        'E-USAGE-001', f'--config: get_config() returned {type(config).__name__}, '
+        'not a ConfigDict', 'pass a configs/<name>.py file')
+  problem = model_config_problem(config.get('model', {}), complete=False)
+  if problem:
+    raise ConfigError('E-CONFIG-001', f'--config: {problem}', 'fix config.model in the file')
+
+
+def _saved_config_problem(saved: Any) -> str | None:
+  """What is wrong with a manifest's `config`, or None (fields it lacks come from --config)."""
+  if saved is None:
+    return None
+  if not isinstance(saved, dict):
+    return f'config is {type(saved).__name__}, not an object'
+  for section in ('model', 'data', 'train', 'mesh'):
+    if section in saved and not isinstance(saved[section], dict):
+      return f'config.{section} is {type(saved[section]).__name__}, not an object'
+  return model_config_problem(saved.get('model', {}), complete=False)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

@@ -100,8 +100,11 @@ def publish_dir(tmp: Path, path: Path) -> None:
   aside first, to `<path>.aside-<nonce>`: a crash between the two renames leaves it there whole,
   and a reader that finds no `path` puts it back (`layout.remove_debris`, for checkpoints); a
   second rename that fails puts it back at once.
+
+  A `path` that is a symbolic link is replaced as a name: the link goes, and the directory it
+  points to is left as it is (never followed to delete what it holds).
   """
-  if not path.exists():
+  if not os.path.lexists(path):
     os.rename(tmp, path)
     return
   if exchange(tmp, path):
@@ -116,4 +119,7 @@ def publish_dir(tmp: Path, path: Path) -> None:
         os.rename(old, path)  # the old version back under its name
       raise
   fsync_dir(path.parent)  # the new version durably in place before the old one goes
-  shutil.rmtree(old, ignore_errors=True)
+  if old.is_symlink():  # rmtree refuses a link (and must not follow it): the link alone goes
+    old.unlink(missing_ok=True)
+  else:
+    shutil.rmtree(old, ignore_errors=True)

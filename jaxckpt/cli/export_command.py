@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Mapping
+
+import ml_collections
 
 from jaxckpt.cli import config_arg, remote_args
 from jaxckpt.cli.parser import ArgumentParser
-from jaxckpt.errors import UsageError
-from jaxckpt.export.offline import (FORMATS, check_bin_format, check_out, export_bin,
-                                    export_checkpoint)
+from jaxckpt.errors import ConfigError, UsageError
+from jaxckpt.export.offline import (FORMATS, check_bin_format, check_config_model, check_out,
+                                    export_bin, export_checkpoint)
 
 
 def _parser():
@@ -62,6 +65,21 @@ def _check_optimizer(fmt: str, optimizer: bool | None) -> None:
         '--format=safetensors or --format=hf for the weights only')
 
 
+def _model_of(path: str):
+  """The model config of the --config file `path`, checked before anything is read or written:
+  a file whose get_config() gives no config, or a model the exporters cannot use, is exit 2."""
+  config = config_arg.load(path)
+  if not isinstance(config, (Mapping, ml_collections.ConfigDict)):
+    raise UsageError(
+        'E-USAGE-001', f'--config={path}: get_config() returned '
+        f'{type(config).__name__}, not a ConfigDict', 'pass a configs/<name>.py file')
+  if 'model' not in config:
+    raise ConfigError('E-CONFIG-001', f'--config={path} has no model config (config.model)',
+                      'pass the config the model was trained with (configs/<name>.py)')
+  check_config_model(config['model'], f'--config={path}')
+  return config['model']
+
+
 def main(argv: list[str]) -> int:
   """`jaxckpt export SOURCE --format=safetensors|hf|bin --out=PATH [--config=FILE]`.
 
@@ -77,7 +95,7 @@ def main(argv: list[str]) -> int:
     check_bin_format(source, args.format)
   _check_optimizer(args.format, args.optimizer)
   optimizer = bool(args.optimizer)
-  model_cfg = config_arg.load(args.config).model if args.config else None
+  model_cfg = _model_of(args.config) if args.config else None
   check_out(args.format, Path(args.out))  # before a remote checkpoint is downloaded
   if source.suffix == '.bin':
     if model_cfg is None:

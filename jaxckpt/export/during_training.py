@@ -44,6 +44,7 @@ from jaxckpt.export import TMP_MARK, atomic_dir, flatbin, hf, safetensors_io, te
 from jaxckpt.export.offline import FORMATS, MODEL_FILE, OPTIMIZER_FILE, export_path
 from jaxckpt.model import gpt as model_lib
 from jaxckpt.model import names
+from jaxckpt.records.workdir import CHECKPOINTS
 
 _BIN_RE = re.compile(r'^step_(\d{6,})\.bin$')
 
@@ -130,15 +131,21 @@ def write_exports(directory: Path,
                   v,
                   model_cfg,
                   *,
-                  optimizer: bool = False) -> list[Path]:
+                  optimizer: bool = False,
+                  checkpoint: str | os.PathLike | None = None) -> list[Path]:
   """Write `step`'s exports under `directory`, each published atomically; returns their paths.
+
+  `checkpoint` (the committed checkpoint of `step`; by default `checkpoints/step_<n>` beside
+  `directory`) is named in the error's `jaxckpt export` command that writes the export later.
 
   Raises:
     CheckpointError (E-EXPORT-006): a format could not be written; nothing of it was published.
   """
   cfg = model_lib.as_model_config(model_cfg)
   meta = {'step': step, 'jaxckpt.model': json.dumps(cfg.to_dict(), sort_keys=True)}
-  written, fmt, target = [], formats[0] if formats else '', directory
+  # What is being written when it fails: one format's files, or the step directory (both
+  # formats) while it is renamed into place.
+  written, failing, target = [], list(formats[:1]), directory
   try:
     directory.mkdir(parents=True, exist_ok=True)
     in_step_dir = [f for f in formats if f != 'bin']
@@ -146,27 +153,32 @@ def write_exports(directory: Path,
       step_dir = export_path(directory, step, 'safetensors')
       with atomic_dir(step_dir) as tmp:
         for fmt in in_step_dir:
-          target = export_path(directory, step, fmt)
+          failing, target = [fmt], export_path(directory, step, fmt)
           if fmt == 'safetensors':
             safetensors_io.write_model(tmp / MODEL_FILE, params, metadata=meta)
             if optimizer and m is not None:
               safetensors_io.write_optimizer(tmp / OPTIMIZER_FILE, m, v, metadata=meta)
           else:
             hf.write_hf_dir(tmp / target.relative_to(step_dir), params, cfg, metadata=meta)
+        failing, target = in_step_dir, step_dir  # the rename of the whole directory
       written.append(step_dir)
     if 'bin' in formats:
-      fmt, target = 'bin', export_path(directory, step, 'bin')
+      failing, target = ['bin'], export_path(directory, step, 'bin')
       if m is None:
         raise ValueError('the state holds no Adam moments (mu/nu) for the .bin format')
       flatbin.write_bin(target, step, params, m, v)
       written.append(target)
   except Exception as e:
+    checkpoint = Path(checkpoint) if checkpoint is not None else (directory.parent / CHECKPOINTS /
+                                                                  layout.step_dirname(step))
+    later = ' && '.join(f'jaxckpt export {checkpoint} --format={f} '
+                        f'--out={export_path(directory, step, f)}' for f in failing)
     raise CheckpointError(
-        'E-EXPORT-006', f'exporting step {step} as {fmt} to {target} failed: '
+        'E-EXPORT-006', f'exporting step {step} as {",".join(failing)} to {target} failed: '
         f'{type(e).__name__}: {e}', f'checkpoint step {step} is committed and intact and no '
-        'partial export has a final name; fix the cause (disk space, permissions) and run the '
-        f'same command to continue, or turn exports off with --export_every=0 (`jaxckpt export '
-        f'{layout.step_dirname(step)}` writes this one later)') from e
+        'partial export has a final name; the next checkpoint is exported in its place; fix '
+        'the cause (disk space, permissions) and run the same command to continue, or turn '
+        f'exports off with --export_every=0 (`{later}` writes this one later)') from e
   return written
 
 
@@ -270,6 +282,7 @@ class Exporter:
     self.processes = processes
     self._runlog = runlog
     self._previous: int | None = None
+    self.failed: int | None = None  # the first step whose export failed, until one succeeds
     self.removed_debris = remove_debris(self.directory)
     if self.removed_debris:
       self._event('cleaned', what='exports', paths=[str(p) for p in self.removed_debris])
@@ -296,16 +309,24 @@ class Exporter:
     previous, self._previous = self._previous, info.step
     if self.processes > 1:
       return None  # said at the start
-    if not export_due(info.step, previous, self.options.every, self.last_step):
+    # A failed export is retried at the next commit, due or not: its state is the newest.
+    if not export_due(info.step, previous, self.options.every,
+                      self.last_step) and self.failed is None:
       return None
     if stopping:
       self._event('export_skipped', step=info.step, reason='stopping')
       logging.info('export of step %d skipped: the run is stopping', info.step)
       return None
-    return self.export(info.step, info.staged)
+    return self.export(info.step, info.staged, checkpoint=getattr(info, 'path', None))
 
-  def export(self, step: int, staged: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """Write `step`'s exports from `staged` (checkpoint leaf names), then apply retention."""
+  def export(self,
+             step: int,
+             staged: Mapping[str, np.ndarray],
+             *,
+             checkpoint: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Write `step`'s exports from `staged` (checkpoint leaf names), then apply retention.
+
+    A failure is remembered (`failed`): the next commit is exported in its place."""
     t0 = time.perf_counter()
     try:
       params, m, v = split_staged(staged, self.model_cfg)
@@ -317,15 +338,20 @@ class Exporter:
           m,
           v,
           self.model_cfg,
-          optimizer=self.options.optimizer)
+          optimizer=self.options.optimizer,
+          checkpoint=checkpoint)
     except Exception as e:
+      if self.failed is None or self.failed > step:
+        self.failed = step
       self._event('export_failed', step=step, error=str(e))
       raise
+    retry_of, self.failed = self.failed, None
     deleted = apply_retention(self.directory, self.options.keep, step)
     fields = {
         'step': step, 'formats': list(self.options.formats),
         'seconds': round(time.perf_counter() - t0, 6), 'bytes': sum(_size(p) for p in paths),
-        'paths': [str(p) for p in paths], 'deleted': deleted
+        'paths': [str(p) for p in paths], 'deleted': deleted,
+        **({'retry_of': retry_of} if retry_of is not None else {})
     }
     self._event('export', **fields)
     logging.info('exported step %d (%s, %s bytes) in %.2fs', step, ','.join(fields['formats']),

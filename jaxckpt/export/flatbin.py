@@ -107,7 +107,8 @@ def read_bin(
     shapes: {dotted name: shape} in canonical order (`model_lib.param_shapes(config.model)`).
 
   Raises:
-    ResumeError (E-BIN-001): the file's size or header does not fit these shapes.
+    ResumeError (E-BIN-001): the file's size or header does not fit these shapes, or its header
+      step is negative.
     ResumeError (E-BIN-003): the file cannot be read.
   """
   path = Path(path)
@@ -130,6 +131,10 @@ def read_bin(
             'E-BIN-001', f'{path} header says n_params={header_n:,} but this model '
             f'has {n:,} (expected size {expected_size(n):,} bytes, actual {size:,})',
             'read it with the model config that wrote it')
+      if step < 0:  # write_bin refuses one: not a .bin it wrote
+        raise ResumeError('E-BIN-001',
+                          f'{path} header says step={step:,}: a step is never negative',
+                          'the file is not a .bin jaxckpt wrote; export or resume from another')
       flat = [np.fromfile(f, dtype=_F32, count=n).astype(np.float32, copy=False) for _ in SECTIONS]
   except OSError as e:  # no read permission, a failing disk
     raise ResumeError('E-BIN-003', f'cannot read {path}: {e.strerror or e}',

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from jaxckpt.errors import ResumeError
+from jaxckpt.errors import CheckpointError, ResumeError
 from jaxckpt.export import weights
 
 
@@ -23,6 +23,10 @@ def read_excluded(step_dir: str | os.PathLike, manifest: Mapping[str, Any]) -> d
   if not names:
     return {}
   pin = manifest.get('init_from')
+  problem = weights.pin_problem(pin) if pin is not None else None
+  if problem:
+    raise CheckpointError('E-CKPT-004', f'{step_dir}/manifest.json: {problem}',
+                          'the checkpoint is damaged: verify it, resume from another')
   arrays = weights.read_pinned(pin, names) if pin else {}
   missing = [n for n in names if n not in arrays]
   if missing:

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxckpt.checkpoint import layout, manifest
 from jaxckpt.checkpoint.formats import data_file, read_host_arrays
-from jaxckpt.errors import CheckpointError, UsageError
+from jaxckpt.errors import CheckpointError, ConfigError, UsageError
 from jaxckpt.export import atomic_dir, flatbin, frozen, hf, safetensors_io, target
 from jaxckpt.model import gpt as model_lib
 from jaxckpt.model import names
@@ -49,6 +49,48 @@ def export_path(exports_dir: str | os.PathLike, step: int, fmt: str) -> Path:
   return step_dir / 'hf' if fmt == 'hf' else step_dir
 
 
+# The model's sizes: whole numbers, positive, within int32 (n_layer within reason: a list of its
+# parameter names is built), and the head flag a bool (the string 'false' would be true).
+_SIZES = ('vocab_size', 'block_size', 'n_layer', 'n_head', 'n_embd')
+_MAX = {'n_layer': 1 << 16}
+MODEL_DTYPES = ('float32', 'bfloat16')
+
+
+def model_config_problem(model_cfg: Any, *, complete: bool = True) -> str | None:
+  """What is wrong with a model config (from a --config file or a manifest), naming the field
+  as `model.<field>=<value>`; None when nothing is. `complete`: every field the exporters need
+  is there (else only the fields given are checked, for a config that fills in another's)."""
+  if not isinstance(model_cfg, Mapping) and not hasattr(model_cfg, 'to_dict'):
+    return f'model is {type(model_cfg).__name__}, not a config of fields'
+  m = model_cfg.to_dict() if hasattr(model_cfg, 'to_dict') else dict(model_cfg)
+  for field in _SIZES + ('tie_embeddings',):
+    if field not in m:
+      if complete:
+        return f'model.{field} is missing'
+      continue
+    value, bound = m[field], _MAX.get(field, 2**31 - 1)
+    if field == 'tie_embeddings':
+      if not isinstance(value, bool):
+        return f'model.tie_embeddings={value!r:.40} is not True or False'
+    elif isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= bound:
+      return f'model.{field}={value!r:.40} is not a whole number in [1, {bound}]'
+  if 'dtype' in m and m['dtype'] not in MODEL_DTYPES:
+    return f'model.dtype={m["dtype"]!r:.40} is not {" or ".join(MODEL_DTYPES)}'
+  if 'n_head' in m and 'n_embd' in m and m['n_embd'] % m['n_head']:
+    return f'model.n_embd={m["n_embd"]} is not a multiple of model.n_head={m["n_head"]}'
+  return None
+
+
+def check_config_model(model_cfg: Any, where: str) -> None:
+  """Refuse (ConfigError E-CONFIG-001, exit 2) a model config given by a user (`where`: the
+  --config file) that the exporters cannot use."""
+  problem = model_config_problem(model_cfg)
+  if problem:
+    fix = (f'fix config.model in {where.removeprefix("--config=")}'
+           if where.startswith('--config=') else 'pass a config.model that can be built')
+    raise ConfigError('E-CONFIG-001', f'{where}: {problem}', fix)
+
+
 def read_checkpoint(step_dir: str | os.PathLike, model_cfg=None) -> dict[str, Any]:
   """{step, model_cfg, params, m, v} of a committed checkpoint, as host numpy arrays.
 
@@ -62,8 +104,21 @@ def read_checkpoint(step_dir: str | os.PathLike, model_cfg=None) -> dict[str, An
   """
   step_dir = Path(step_dir)
   meta = _read_manifest(step_dir)
-  cfg = model_lib.as_model_config(
-      model_cfg if model_cfg is not None else _model_config(step_dir, meta))
+  if model_cfg is not None:
+    check_config_model(model_cfg, 'model_cfg')
+  saved = _model_config(step_dir, meta, required=model_cfg is None)
+  if model_cfg is not None and saved is not None:
+    given = model_lib.as_model_config(model_cfg).to_dict()
+    differ = [
+        f'{k}={given[k]!r} (the checkpoint: {v!r})' for k, v in saved.items()
+        if k in given and given[k] != v
+    ]
+    if differ:
+      raise UsageError(
+          'E-EXPORT-002', f'the model config given differs from the one {step_dir} was '
+          f'trained with: {", ".join(differ)}', "leave out --config: the checkpoint's own "
+          'model config is used')
+  cfg = model_lib.as_model_config(model_cfg if model_cfg is not None else saved)
   found: dict[str, dict[str, np.ndarray]] = {'params': {}, 'm': {}, 'v': {}}
   for leaf, array in _read_arrays(step_dir, meta).items():
     which = names.param_of_leaf(leaf)
@@ -87,7 +142,7 @@ def read_checkpoint(step_dir: str | os.PathLike, model_cfg=None) -> dict[str, An
     hf.check_params(found[kind], cfg)
   order = model_lib.parameter_names(cfg)
   ordered = {k: {n: found[k][n] for n in order} if k == 'params' or adam else None for k in found}
-  return {'step': int(meta['step']), 'model_cfg': cfg, **ordered}
+  return {'step': meta['step'], 'model_cfg': cfg, **ordered}
 
 
 def _read_manifest(step_dir: Path) -> dict[str, Any]:
@@ -107,6 +162,13 @@ def _read_manifest(step_dir: Path) -> dict[str, Any]:
   _, problems = manifest.audit(step_dir, meta, checksums=True, skip_checksum=[data_file(meta)])
   if problems:
     raise _damaged(step_dir, problems[0])
+  # The step a .bin header and every export's metadata carry: its directory's, nothing else.
+  step = meta.get('step')
+  if isinstance(step, bool) or not isinstance(step, int) or step != layout.parse_step(
+      step_dir.name):
+    raise _damaged(
+        step_dir, f'its manifest says step {step!r:.40}, its directory step '
+        f'{layout.parse_step(step_dir.name)}')
   return meta
 
 
@@ -115,12 +177,23 @@ def _damaged(step_dir: Path, problem: str) -> CheckpointError:
                          'export an earlier checkpoint (`jaxckpt verify` lists the damage)')
 
 
-def _model_config(step_dir: Path, meta: Mapping[str, Any]) -> Mapping[str, Any]:
-  cfg = (meta.get('config') or {}).get('model')
+def _model_config(step_dir: Path, meta: Mapping[str, Any], *,
+                  required: bool) -> dict[str, Any] | None:
+  """The manifest's model config, checked (a foreign or hand-edited one is damage, E-EXPORT-004);
+  None when it records none and `required` is false."""
+  config = meta.get('config')
+  if config is not None and not isinstance(config, dict):
+    raise _damaged(step_dir, f'its manifest config is {type(config).__name__}, not an object')
+  cfg = (config or {}).get('model')
   if not cfg:
+    if not required:
+      return None
     raise UsageError('E-EXPORT-003', f'{step_dir}/manifest.json records no model config',
-                     'pass the model config explicitly (model_cfg=config.model)')
-  return cfg
+                     'pass --config=configs/<name>.py, the config it was trained with')
+  problem = model_config_problem(cfg, complete=required)
+  if problem:
+    raise _damaged(step_dir, f'its manifest config says {problem}')
+  return dict(cfg)
 
 
 def _read_arrays(step_dir: Path, meta: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -187,6 +260,7 @@ def export_bin(bin_path: str | os.PathLike,
   """
   check_bin_format(bin_path, fmt)
   check_out(fmt, Path(out))
+  check_config_model(model_cfg, 'model_cfg')
   cfg = model_lib.as_model_config(model_cfg)
   step, params, m, v = flatbin.read_bin(bin_path, model_lib.param_shapes(cfg))
   source = {'source': str(Path(bin_path).resolve())}

@@ -114,13 +114,49 @@ def read_tensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[s
     meta = dict(f.metadata() or {})
     names = f.offset_keys() if hasattr(f, 'offset_keys') else f.keys()
     tensors = {name: f.get_tensor(name) for name in names}
-  for name, dtype in json.loads(meta.get(DTYPES_KEY, '{}')).items():
-    tensors[name] = tensors[name].astype(_dtype(dtype))
+  recorded = recorded_dtypes(meta, {name: x.dtype for name, x in tensors.items()})
+  for name, dtype in recorded.items():
+    tensors[name] = tensors[name].astype(dtype)
   return tensors, meta
 
 
-def _dtype(name: str) -> np.dtype:
-  return np.dtype(getattr(ml_dtypes, name, name))
+def _narrow_dtype(name: object) -> np.dtype | None:
+  """The narrow float (bfloat16, float16, float8_*) `name` names, else None."""
+  if not isinstance(name, str):
+    return None
+  kind = np.float16 if name == 'float16' else getattr(ml_dtypes, name, None)
+  try:
+    dtype = np.dtype(kind) if isinstance(kind, type) else None
+  except TypeError:
+    return None
+  return dtype if dtype is not None and dtype.name == name and _is_narrow_float(dtype) else None
+
+
+def recorded_dtypes(meta: Mapping[str, str], stored: Mapping[str, np.dtype]) -> dict[str, np.dtype]:
+  """{name: narrow float dtype} of `jaxckpt.dtypes`, checked against the `stored` dtypes.
+
+  The record is trusted no further than what `write_tensors` writes: a narrow float for a tensor
+  stored as f32. Anything else (an int8 for an f32 tensor, a name the file lacks, not JSON)
+  raises ValueError saying what, so a foreign record never casts weights to something else.
+  """
+  if DTYPES_KEY not in meta:
+    return {}
+  try:
+    recorded = json.loads(meta[DTYPES_KEY])
+  except (ValueError, RecursionError) as e:
+    raise ValueError(f'its {DTYPES_KEY} metadata is not JSON ({e})') from None
+  if not isinstance(recorded, dict):
+    raise ValueError(f'its {DTYPES_KEY} metadata is not a JSON object')
+  out = {}
+  for name, dtype_name in recorded.items():
+    dtype = _narrow_dtype(dtype_name)
+    if name not in stored:
+      raise ValueError(f'its {DTYPES_KEY} metadata names {name!r}, which it does not hold')
+    if dtype is None or np.dtype(stored[name]) != np.dtype(np.float32):
+      raise ValueError(f'its {DTYPES_KEY} metadata records {name} ({stored[name]}) as '
+                       f'{str(dtype_name)[:40]!r}: only a bf16 or f16 tensor stored as f32 is')
+    out[name] = dtype
+  return out
 
 
 def write_model(path: str | os.PathLike,

@@ -21,13 +21,13 @@ import hashlib
 import json
 import math
 import os
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import ml_dtypes
 import numpy as np
 
 from jaxckpt.checkpoint.remote.store import Store, StoreError
-from jaxckpt.export.safetensors_io import DTYPES_KEY
+from jaxckpt.export.safetensors_io import recorded_dtypes
 from jaxckpt.records.provenance import sha256_file
 
 MAX_HEADER = 100 << 20  # the safetensors library's own limit on a header
@@ -132,6 +132,10 @@ class File:
     if len(raw) < length:
       raise Unreadable(f'{self.location} is not safetensors: its header is cut short')
     self.tensors, self.metadata, data = _parse_header(raw, 8 + length, self.location)
+    try:  # the narrow floats jaxckpt stored widened: never a cast to anything else
+      self.recorded = recorded_dtypes(self.metadata, {n: t.dtype for n, t in self.tensors.items()})
+    except ValueError as e:
+      raise Unreadable(f'{self.location} is not safetensors as jaxckpt writes it: {e}') from None
     self.size = 8 + length + data  # what the header says; the file must end there
     if local_size is not None:
       if local_size != self.size:
@@ -191,7 +195,7 @@ class File:
         run.append(name)
     if self._fd is not None and os.fstat(self._fd).st_size != self.size:
       raise Unreadable(f'{self.location} changed while it was read')
-    recorded = _recorded_dtypes(self.metadata)
+    recorded = self.recorded
     return {n: out[n].astype(recorded[n]) if n in recorded else out[n] for n in wanted}
 
   def close(self) -> None:
@@ -245,12 +249,3 @@ def _parse_header(raw: bytes, data_start: int,
         np.dtype(_DTYPES[dtype]), tuple(shape), data_start + begin, data_start + stop)
     end = max(end, stop)
   return tensors, meta, end
-
-
-def _recorded_dtypes(meta: Mapping[str, str]) -> dict[str, np.dtype]:
-  """jaxckpt's record of narrow floats it stored widened (`safetensors_io`)."""
-  try:
-    recorded = json.loads(meta.get(DTYPES_KEY, '{}'))
-    return {n: np.dtype(getattr(ml_dtypes, d, d)) for n, d in recorded.items()}
-  except (ValueError, TypeError):
-    return {}

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from jaxckpt.errors import ConfigError, ResumeError
+from jaxckpt.errors import CheckpointError, ConfigError, ResumeError
 from jaxckpt.export import hf
 from jaxckpt.export.tensorfile import File, Unreadable, exists, is_url, read_small
 from jaxckpt.model import gpt as model_lib
@@ -192,9 +192,44 @@ def _fits(x, shape: tuple[int, ...]) -> bool:
 
 
 # ------------------------------------------------------------------------------ pins
+def pin_problem(pin: Any) -> str | None:
+  """What is wrong with the shape of a pin read from a manifest (`init_from`), or None: a
+  manifest is sealed, not trusted, and a reader must not fail on a field of the wrong type."""
+  text = lambda v: f'{v!r:.60}'
+  whole = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+  if not isinstance(pin, Mapping):
+    return f'init_from is {text(pin)}, not an object'
+  files = pin['files'] if 'files' in pin else [pin]  # an older pin: one file, no `files`
+  if not isinstance(files, list) or not files:
+    return f'init_from.files is {text(files)}, not a list of files'
+  for i, f in enumerate(files):
+    where = f'init_from.files[{i}]' if 'files' in pin else 'init_from'
+    if not isinstance(f, Mapping):
+      return f'{where} is {text(f)}, not an object'
+    if not isinstance(f.get('path'), str) or not f['path']:
+      return f'{where}.path is {text(f.get("path"))}, not a file name'
+    if not whole(f.get('size')):
+      return f'{where}.size is {text(f.get("size"))}, not a whole number'
+    if not all(f.get(k) is None or isinstance(f[k], (str, int)) for k in VERSION_KEYS):
+      return f'{where} has a version ({", ".join(VERSION_KEYS)}) that is not a string'
+    tensors = f.get('tensors')
+    if tensors is not None and (not isinstance(tensors, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in tensors.items())):
+      return f'{where}.tensors is {text(tensors)}, not an object of tensor names'
+  return None
+
+
 def normalize(pin: Mapping[str, Any]) -> dict[str, Any]:
   """A pin in this module's form; an older manifest's {'path', 'size', 'sha256'} as one file
-  whose tensors are the parameters by their own names (`tensors` None)."""
+  whose tensors are the parameters by their own names (`tensors` None).
+
+  Raises:
+    CheckpointError E-CKPT-004: a pin of the wrong shape (`pin_problem`).
+  """
+  problem = pin_problem(pin)
+  if problem:
+    raise CheckpointError('E-CKPT-004', f"a checkpoint's manifest is foreign: {problem}",
+                          'the checkpoint is damaged: verify it, resume from another')
   if 'files' in pin:
     return dict(pin)
   return {

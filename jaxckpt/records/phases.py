@@ -24,7 +24,9 @@ from jaxckpt.records.workdir import ARCHIVE, BANDIT, CHECKPOINTS, EVENTS, SAMPLE
 
 def current_phase(workdir: str | os.PathLike) -> int:
   """Phases start at 0; each pivot starts the next."""
-  return sum(1 for e in read_jsonl(Path(workdir) / EVENTS) if e['event'] == 'pivot')
+  # Rows are read, not trusted: a foreign line (not an object, no `event`) is no pivot.
+  return sum(1 for e in read_jsonl(Path(workdir) / EVENTS)
+             if isinstance(e, dict) and e.get('event') == 'pivot')
 
 
 def write_samples(workdir: Path, phase: int, step: int, texts: Sequence[str], keep: int) -> None:
@@ -33,8 +35,13 @@ def write_samples(workdir: Path, phase: int, step: int, texts: Sequence[str], ke
     old = json.loads(path.read_text())
   except (OSError, ValueError):
     old = {}
+  old = old if isinstance(old, dict) else {}
   rounds = old.get('rounds', []) if old.get('phase') == phase else []
-  rounds = [r for r in rounds if r['step'] < step]  # a replayed step replaces its old round
+  rounds = rounds if isinstance(rounds, list) else []
+  # A replayed step replaces its old round; a foreign row goes.
+  rounds = [
+      r for r in rounds if isinstance(r, dict) and type(r.get('step')) is int and r['step'] < step
+  ]
   rounds.append({'step': step, 'samples': list(texts)})
   # keep=0 keeps none (`rounds[-0:]` would be all of them).
   atomic.write_json_durably(path, {'phase': phase, 'rounds': rounds[-keep:] if keep > 0 else []})
@@ -55,6 +62,13 @@ def pivot(workdir: str | os.PathLike) -> tuple[int, list[str]]:
                      'pivot a run that has trained and stopped')
   with WorkdirLock(workdir):  # refuses while a trainer runs here
     ending = current_phase(workdir)
+    # The pivot event is appended to events.jsonl, whose readers (the trainer's too) rely on
+    # every row being an event: a foreign row is refused before anything moves.
+    for i, e in enumerate(read_jsonl(workdir / EVENTS), 1):
+      if not isinstance(e, dict) or not isinstance(e.get('event'), str):
+        raise UsageError(
+            'E-PIVOT-001', f'{workdir / EVENTS} holds a row that is not a jaxckpt event '
+            f'(row {i}: {json.dumps(e)[:60]})', 'remove that line, then pivot again')
     # Every save writes bandit.json: none (and no samples.json) means the phase has not trained
     # since the last pivot, or the run never saved. A pivot then would archive nothing and only
     # count a phase; it is refused before anything is created or recorded.
@@ -64,6 +78,9 @@ def pivot(workdir: str | os.PathLike) -> tuple[int, list[str]]:
           'E-PIVOT-001', f'{workdir} has nothing to pivot: no {SAMPLES} or {BANDIT} '
           f'(the run has not trained{since})', 'train the run, then pivot it')
     dest = workdir / ARCHIVE / f'phase-{ending}'
+    if os.path.lexists(workdir / ARCHIVE) and not (workdir / ARCHIVE).is_dir():
+      raise UsageError('E-PIVOT-002', f'{workdir / ARCHIVE} is not a directory',
+                       'move it away and pivot again')
     if dest.exists():
       raise UsageError('E-PIVOT-002', f'{dest} already exists', 'move it away and pivot again')
     dest.parent.mkdir(exist_ok=True)
