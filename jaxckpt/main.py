@@ -27,6 +27,7 @@ def main(argv, watcher: signals.PreemptionWatcher | None = None):
 
 
 def train_from_flags(argv, watcher: signals.PreemptionWatcher | None = None) -> None:
+  trainer_flags.check_required(FLAGS)
   if len(argv) > 1:
     raise UsageError('E-USAGE-004', f'unexpected argument(s): {" ".join(argv[1:])}',
                      'every input is a flag (--name=value): see --help')

@@ -4,6 +4,8 @@ run, recorded in `WORKDIR/evaluated.json` (`jaxckpt.evaluate`); for a remote run
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +15,9 @@ from jaxckpt.cli import config_arg, remote_args
 from jaxckpt.cli.parser import ArgumentParser, configure_logging
 from jaxckpt.errors import JaxckptError, UsageError
 from jaxckpt.evaluate import Evaluator, read_results, read_results_file
-from jaxckpt.records.workdir import EVALUATED, EvaluatorLock
+from jaxckpt.records.workdir import EVALUATED, EvaluatorLock, checkpoints_dir
+
+MAX_POLL_SECS = 3600  # an hour between looks: longer is a typo, not a cadence
 
 
 def main(argv: list[str]) -> int:
@@ -36,8 +40,7 @@ def main(argv: list[str]) -> int:
       '--poll_secs',
       type=float,
       default=2.0,
-      help='seconds between looks for '
-      'new checkpoints (with --follow)')
+      help='seconds between looks for new checkpoints (with --follow; default: %(default)g)')
   parser.add_argument(
       '--config',
       default=None,
@@ -50,8 +53,9 @@ def main(argv: list[str]) -> int:
       'are kept in; one that exists is continued: only the checkpoints it lacks are evaluated. '
       "Default: the results are printed only. A local run's go to WORKDIR/evaluated.json")
   args = parser.parse_args(argv)
-  if args.poll_secs <= 0:
-    parser.error('--poll_secs must be positive')
+  if not (math.isfinite(args.poll_secs) and 0 < args.poll_secs <= MAX_POLL_SECS):
+    parser.error(f'--poll_secs={args.poll_secs:g}: give a number of seconds above 0 and at most '
+                 f'{MAX_POLL_SECS}')
   if remote_args.is_url(args.workdir):
     if args.follow:
       parser.error('--follow watches a local run directory, not a URL')
@@ -68,9 +72,7 @@ def main(argv: list[str]) -> int:
 def _evaluate_remote(args, config) -> int:
   """Evaluates a downloaded copy of the remote run; its results outlive the copy in --out."""
   run = remote_args.split(args.workdir)[0].rstrip('/')
-  out = None if args.out is None else Path(args.out)
-  if out is not None and out.is_dir():
-    out = out / EVALUATED
+  out = None if args.out is None else _out_file(Path(args.out))
   earlier = {} if out is None else read_results_file(out)
   for step, result in earlier.items():  # a file of another run's results is not continued
     if not str(result.get('path', '')).startswith(f'{run}/'):
@@ -101,6 +103,21 @@ def _evaluate_remote(args, config) -> int:
             flush=True)
 
 
+def _out_file(out: Path) -> Path:
+  """The file `--out` names (DIR/evaluated.json for a directory), checked before anything is
+  downloaded or evaluated: its directory is there and can be written, and it is no directory."""
+  out = out / EVALUATED if out.is_dir() else out
+  parent = out.parent
+  why = (f'its directory {parent} does not exist'
+         if not parent.exists() else f'{parent} is not a directory'
+         if not parent.is_dir() else f'{out} is a directory' if out.is_dir() else
+         f'{parent} cannot be written' if not os.access(parent, os.W_OK | os.X_OK) else None)
+  if why is not None:
+    raise UsageError('E-EVAL-007', f'--out={out}: {why}',
+                     'pass an --out file in a directory that exists and can be written')
+  return out
+
+
 def _evaluate(workdir: Path, args, config, shown: Path | None = None, say=lambda s: s) -> int:
   if workdir.exists() and not workdir.is_dir():
     raise UsageError('E-EVAL-003', f'{workdir} is a file, not a run directory',
@@ -115,6 +132,14 @@ def _evaluate(workdir: Path, args, config, shown: Path | None = None, say=lambda
     except OSError as e:  # a file on the way (DIR/loss.jsonl/sub), or no permission
       raise UsageError('E-EVAL-003', f'{workdir} cannot be created: {e.strerror or e}',
                        'pass the --workdir of a run, or a directory --follow can create') from None
+  # A directory no trainer has saved a checkpoint in: nothing to evaluate, and no lock left
+  # behind in it. --follow waits for its first checkpoint instead (and says so).
+  local = not remote_args.is_url(args.workdir)
+  if local and not args.follow and not checkpoints_dir(workdir).is_dir():
+    raise UsageError(
+        'E-EVAL-003', f'{workdir} is not a run: it has no checkpoints/',
+        'pass the --workdir of a run that has saved a checkpoint '
+        '(or --follow to wait for its first one)')
   configure_logging()
   with EvaluatorLock(workdir):
     ev = Evaluator(

@@ -11,7 +11,11 @@ def main(argv: list[str]) -> int:
       prog='jaxckpt plot',
       description='Draw the loss history of a run as a '
       'PNG, with resumes and pivots marked.')
-  parser.add_argument('--workdir', required=True)
+  parser.add_argument(
+      '--workdir',
+      required=True,
+      help='the run directory: its loss.jsonl is drawn, with the resumes and pivots of its '
+      'events.jsonl and the held-out losses (its eval events and evaluated.json)')
   parser.add_argument(
       '--out',
       help='the file to write (default: WORKDIR/loss.png); its suffix names the format (.png, '

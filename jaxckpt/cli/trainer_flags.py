@@ -2,8 +2,9 @@
 
 `python -m jaxckpt.main` calls `define_trainer_flags` and parses with `parse_flags_or_exit`, so a
 missing, broken or foreign config file, an unknown field or a bad flag is `jaxckpt: E-...: what;
-fix` and exit 2, never a traceback; `--help` is jaxckpt's own flags with their defaults (`jaxckpt.cli.trainer_help`, exit 0),
-`--helpfull` absl's listing of every flag.
+fix` and exit 2, never a traceback; `--help` is jaxckpt's own flags with their defaults
+(`jaxckpt.cli.trainer_help`, exit 0; with a `--config` that does not load, that file's one line
+too, and exit 2), `--helpfull` absl's listing of every flag.
 """
 
 from __future__ import annotations
@@ -195,7 +196,22 @@ def define_trainer_flags() -> None:
       'step_timeout_secs', None, 'A step not done within this many seconds is a hang: every '
       "thread's stack is logged and the run fails (E-DIST-010) (default: max(600, 50 x the "
       'median step time)).')
-  flags.mark_flags_as_required(['config', 'workdir'])
+
+
+REQUIRED = {'config': 'configs/tiny.py', 'workdir': 'runs/tiny'}  # each with an example
+
+
+def check_required(flag_values) -> None:
+  """`--config` and `--workdir` given, else E-USAGE-001 naming the missing ones with an example
+  (absl's own check would say `flag --config=None: Flag --config must have a value other than
+  None`)."""
+  missing = [name for name in REQUIRED if flag_values[name].value is None]
+  if missing:
+    raise UsageError(
+        'E-USAGE-001', f'{" and ".join("--" + n for n in missing)} '
+        f'{"is" if len(missing) == 1 else "are"} required',
+        f'pass {"it" if len(missing) == 1 else "both"}, e.g. ' +
+        ' '.join(f'--{n}={REQUIRED[n]}' for n in missing) + ' (see --help)')
 
 
 def define_config_file(name: str, help_string: str) -> flags.FlagHolder:
@@ -217,7 +233,7 @@ def parse_flags_or_exit(argv: list[str]) -> list[str]:
   ml_collections runs a `--config` file while the flags are parsed (its errors come through
   here), and keeps a file it could not read as a config that fails when first used: both are
   told here, naming the file or the `--config.*` field. `--help` and `--helpfull` print to
-  stdout and exit 0.
+  stdout and exit 0 (`--help` with a `--config` that does not load: exit 2, saying why).
   """
   args = _args(argv)
   for path in config_paths(args).values():
@@ -342,7 +358,7 @@ def config_problem(argv: list[str]) -> ConfigError | None:
   for name in _config_flag_names():
     overrides = [m.group(1) for arg in args if (m := re.match(rf'--?(?:no)?{name}\.([^=]+)', arg))]
     if name not in paths:
-      continue  # absl says that a required flag is missing
+      continue  # `check_required` says that it is missing
     config = load_config(name, paths[name])
     if isinstance(config, ConfigError):
       return config

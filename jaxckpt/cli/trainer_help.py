@@ -4,7 +4,9 @@ absl's `--help` lists every module's flags without most defaults (a flag whose d
 the config file shows none); this lists the flags `jaxckpt.cli.trainer_flags` defines, the
 `--config=FILE` and `--config.<field>=VALUE` forms, and the default of each: a value, or the
 config field it overrides with that field's value in configs/default.py (or in `--config=FILE`
-when given with `--help`, whose fields are then listed too).
+when given with `--help`, whose fields are then listed too). A `--config=FILE` that does not load
+gets the help without its fields, then its one-line error (E-CONFIG-007) and exit 2: the help
+was given, but the file named is wrong.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import Any, Callable, Mapping
 import ml_collections
 from absl import flags
 
+from jaxckpt.cli.parser import exit_with
+from jaxckpt.errors import CheckpointError
 from jaxckpt.records import provenance
 
 # `--help`, by concern, in this order.
@@ -59,11 +63,15 @@ def render(path: str | None, *, load: Callable[[str, str], Any], fields: Mapping
       the defaults of the flags that override them are its values.
     load: (flag name, path) -> a ConfigDict, or the error (`trainer_flags.load_config`).
     fields: {flag: the config field it sets}; aliases: {former name: flag}.
+
+  A `path` that does not load: the help is printed here, without the file's fields, then the
+  file's error as one line on stderr, and the process exits 2.
   """
-  config, config_file = None, None
+  config, config_file, problem = None, None, None
   if path is not None:
     loaded = load('config', path)
     config = loaded if isinstance(loaded, ml_collections.ConfigDict) else None
+    problem = loaded if isinstance(loaded, CheckpointError) else None
     config_file = path
   if config is None:  # the defaults every config file starts from, when they are at hand
     default = Path(provenance.__file__).resolve().parents[2] / 'configs' / 'default.py'
@@ -85,7 +93,11 @@ def render(path: str | None, *, load: Callable[[str, str], Any], fields: Mapping
     out.extend(f'  {k} = {v!r}' for k, v in provenance.flatten_config(config).items())
     out.append('')
   out.append("--helpfull lists every flag, absl's and JAX's too.")
-  return '\n'.join(out) + '\n'
+  text = '\n'.join(out) + '\n'
+  if problem is not None:  # last, where it is seen after a page of help
+    print(text, end='', flush=True)
+    exit_with(problem)
+  return text
 
 
 _CONFIG_HELP = """\

@@ -23,10 +23,15 @@ exit leaves the file complete up to its last write. A writer that fails (disk fu
 package) logs one WARNING and writes nothing more; training goes on. tensorboardX's own
 `SummaryWriter` is not used: its background thread dies on a write error and the next ten
 `add_scalar` calls fill its queue, after which the training loop would block for good.
+
+A value that is not finite (a loss gone NaN) is written as it is, as `loss.jsonl` records it,
+with one WARNING the first time; the summaries are built here, not by tensorboardX's
+`summary.scalar`, whose check logs `NaN or Inf found in input tensor.` once per value per step.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -62,7 +67,7 @@ def mirror(runlog, config, *, first_step: int) -> None:
 
 
 def _tensorboardx():
-  """tensorboardX's event writer, summary builder and Event proto.
+  """tensorboardX's event writer, and its Summary and Event protos.
 
   Its package `__init__` imports torch when that is installed (for `SummaryWriter`'s type
   hints): seconds at start-up and a second GPU runtime in a JAX process; and boto3 (0.2 s), for
@@ -72,13 +77,13 @@ def _tensorboardx():
   for name in blocked:
     sys.modules[name] = None  # `import torch` raises ImportError, which tensorboardX expects
   try:
-    from tensorboardX import event_file_writer, summary  # pylint: disable=import-outside-toplevel
-    from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
+    from tensorboardX import event_file_writer  # pylint: disable=import-outside-toplevel
+    from tensorboardX.proto import event_pb2, summary_pb2  # pylint: disable=import-outside-toplevel
   finally:
     for name in blocked:
       if sys.modules.get(name, 0) is None:
         del sys.modules[name]
-  return event_file_writer, summary, event_pb2
+  return event_file_writer, summary_pb2, event_pb2
 
 
 class Scalars:
@@ -98,10 +103,11 @@ class Scalars:
     self._lock = threading.Lock()  # rows come from the loop, commits from the save thread
     self._clock: tuple[int, float] | None = None  # (step, time) of the previous rows
     self._writer = None
+    self._said_not_finite = False
     self._guarded(self._open, segment)
 
   def _open(self, segment: int) -> None:
-    event_file_writer, self._summary, self._event_pb2 = _tensorboardx()
+    event_file_writer, self._summary_pb2, self._event_pb2 = _tensorboardx()
     self.logdir.mkdir(parents=True, exist_ok=True)
     # tensorboardX names the file events.out.tfevents.<seconds>.<host><suffix>: the segment and
     # pid keep two starts within one second apart, and in order.
@@ -132,11 +138,18 @@ class Scalars:
 
   def _write(self, points: Iterable[tuple[str, float, int, float]]) -> None:
     """(tag, value, step, wall time) each; flushed, so a kill loses nothing written."""
+    Summary = self._summary_pb2.Summary
     for tag, value, step, wall_time in points:
       if step > self.first_step:
+        value = float(value)
+        if not math.isfinite(value) and not self._said_not_finite:
+          self._said_not_finite = True
+          logging.warning(
+              '%s is %s at step %d: written to the TensorBoard event files as it is (later '
+              'values that are not finite are not warned of)', tag, value, step)
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=value)])
         self._writer.write_event(
-            self._event_pb2.Event(
-                wall_time=wall_time, step=step, summary=self._summary.scalar(tag, value)))
+            self._event_pb2.Event(wall_time=wall_time, step=step, summary=summary))
     self._writer.flush()
 
   def records(self, name: str, rows: list[Mapping[str, Any]]) -> None:
