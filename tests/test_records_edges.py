@@ -130,3 +130,18 @@ def test_data_fingerprints_name_each_source_and_skip_the_embedded_corpus(tmp_pat
   assert list(got) == ['data:main'] and len(got['data:main']) == 64
   config.data.sources.main = (str(b), str(a))  # the order is the data too
   assert provenance.data_fingerprints(config)['data:main'] != got['data:main']
+
+
+def test_lines_that_are_no_records_of_ours_are_passed_over(tmp_path, capsys):
+  """A foreign line in the records (a list, an object without an event) breaks neither the next
+  start's segment count nor `jaxckpt plot`."""
+  from jaxckpt.records.runlog import RunLog
+  workdir = tmp_path / 'run'
+  workdir.mkdir()
+  (workdir / LOSSES).write_text('[1]\n{"x": 1}\n' + ''.join(
+      json.dumps({'step': s, 'segment': 0, 'loss': 5.0 - s / 10}) + '\n' for s in range(1, 4)))
+  (workdir / 'events.jsonl').write_text('[1]\n{"x": 1}\n"started"\n{"event": "started"}\n'
+                                        '{"event": "resumed"}\n{"event": "pivot", "step": 2}\n')
+  assert RunLog(workdir).segment == 1
+  code, stdout, err = call_cli(['plot', f'--workdir={workdir}'], capsys)
+  assert code == 0 and stdout == f'{workdir / "loss.png"}\n', err

@@ -36,14 +36,16 @@ def plot(workdir: str | Path, out: str | Path | None = None) -> Path:
   events = read_jsonl(workdir / EVENTS)
   fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
   ax.plot(
-      list(history), [r['loss'] for r in history.values()],
+      list(history), [r.get('loss', math.nan) for r in history.values()],
       lw=1.0,
       color='tab:blue',
       label='training loss')
-  marks = [(e['step'], 'resumed', 'tab:green', '--') for e in events if e['event'] == 'resumed']
-  marks += [(e['step'], f'pivot to phase {e["phase"]}', 'tab:red', '-')
+  marks = [(e['step'], 'resumed', 'tab:green', '--')
+           for e in events
+           if e.get('event') == 'resumed' and 'step' in e]
+  marks += [(e['step'], f'pivot to phase {e.get("phase", "?")}', 'tab:red', '-')
             for e in events
-            if e['event'] == 'pivot']
+            if e.get('event') == 'pivot' and 'step' in e]
   labelled = set()
   for step, label, color, style in marks:
     kind = label.split()[0]

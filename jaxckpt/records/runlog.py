@@ -36,9 +36,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return rows
   for line in lines:
     try:
-      rows.append(json.loads(line))
+      row = json.loads(line)
     except (ValueError, RecursionError):
       continue  # a line cut short by a crash
+    if isinstance(row, dict):  # a record; anything else is no line of ours
+      rows.append(row)
   return rows
 
 
@@ -81,7 +83,7 @@ def read_loss_history(workdir: str | os.PathLike) -> dict[int, dict[str, Any]]:
   later start went back past (a resume from an older checkpoint) are not in it, as TensorBoard's
   restart marker drops them there."""
   workdir = Path(workdir)
-  rows = read_jsonl(workdir / LOSSES)
+  rows = [r for r in read_jsonl(workdir / LOSSES) if 'step' in r and 'segment' in r]
   return current(((r['step'], r['segment'], r) for r in rows), read_jsonl(workdir / EVENTS))
 
 
@@ -106,7 +108,7 @@ class RunLog:
     self._lock = threading.Lock()
     self._status: dict[str, Any] = {}
     # Each start of the trainer is a new segment of the loss history.
-    self.segment = sum(1 for e in read_jsonl(self.workdir / EVENTS) if e['event'] == 'started')
+    self.segment = sum(1 for e in read_jsonl(self.workdir / EVENTS) if e.get('event') == 'started')
     self._scalars = None  # a `tensorboard.Scalars`, or None
     self._unhook = lambda: None
     self.started = False
