@@ -19,6 +19,7 @@ run its own workdir. `EvaluatorLock` is the same for `jaxckpt evaluate`.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -65,10 +66,12 @@ class WorkdirLock:
     self.path = Path(workdir) / self.FILE
     self.previous_holder: dict[str, Any] | None = None  # set when a dead holder's lock is taken
     self._fd: int | None = None
+    self._made = False  # the workdir did not exist: a start refused at once removes it again
 
   def acquire(self) -> 'WorkdirLock':
     workdir = self.path.parent
     try:
+      self._made = not workdir.exists()
       workdir.mkdir(parents=True, exist_ok=True)
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:  # the first thing a run writes: a bad --workdir shows here
@@ -95,6 +98,13 @@ class WorkdirLock:
     return self
 
   def release(self) -> None:
+    """Lets go; a workdir this lock made that holds nothing else goes too (a start refused
+    before it wrote anything leaves no empty directory behind), while still held."""
+    if self._fd is not None and self._made:
+      with contextlib.suppress(OSError):
+        if os.listdir(self.path.parent) == [self.FILE]:
+          self.path.unlink()
+          self.path.parent.rmdir()  # fails, and stays, if another start just made its LOCK
     if self._fd is not None:
       os.ftruncate(self._fd, 0)  # an empty file: nobody holds it
       fcntl.flock(self._fd, fcntl.LOCK_UN)
