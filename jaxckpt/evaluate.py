@@ -29,7 +29,7 @@ from jaxckpt.errors import CheckpointError, ConfigError, UsageError
 from jaxckpt.export import frozen
 from jaxckpt.export.offline import model_config_problem
 from jaxckpt.model import gpt as model_lib
-from jaxckpt.records.workdir import EVALUATED, checkpoints_dir
+from jaxckpt.records.workdir import EVALUATED, STATUS, checkpoints_dir
 
 
 def _is_params(name: str) -> bool:
@@ -195,13 +195,24 @@ class Evaluator:
     try:
       meta = self.mgr.read_manifest(steps[step])
     except (CheckpointError, OSError):
-      return False
+      # A manifest that cannot be read says nothing: the run's status says whether it ended
+      # there (a finished run writes no other checkpoint to wait for).
+      return (step, None) in self._failed and self._ended_at(step)
     done = self.results.get(str(step))
     evaluated = done is not None and done.get('committed_at') == meta.get('committed_at')
     # A damaged last checkpoint is done with too (warned of, and named at the end): waiting for
     # it would wait forever, as a finished run writes no other.
     return bool(meta.get('finished')) and (evaluated or
                                            (step, meta.get('committed_at')) in self._failed)
+
+  def _ended_at(self, step: int) -> bool:
+    """The run's `status.json` says it finished at `step`."""
+    try:
+      status = json.loads((self.workdir / STATUS).read_bytes()[:1 << 20])
+    except (OSError, ValueError, RecursionError):
+      return False
+    return isinstance(status,
+                      dict) and status.get('state') == 'finished' and status.get('step') == step
 
   def follow(self, poll_secs: float = 2.0, sleep: Callable[[float], None] = time.sleep) -> None:
     """Evaluate new commits as they appear; return after the run's finished checkpoint."""

@@ -207,6 +207,24 @@ def test_follow_ends_when_the_finished_runs_last_checkpoint_is_damaged(
   assert 'Traceback' not in r.stderr
 
 
+def test_follow_ends_when_the_finished_runs_last_manifest_cannot_be_read(
+    run, tmp_path, compile_cache):
+  """The manifest says nothing then; the run's status.json says it finished at that step."""
+  workdir = tmp_path / 'run'
+  shutil.copytree(run / 'checkpoints' / STEP_20, workdir / 'checkpoints' / STEP_20)
+  (workdir / 'checkpoints' / STEP_20 / 'manifest.json').write_text('{')
+  (workdir / 'status.json').write_text(json.dumps({'state': 'finished', 'step': 20}))
+  r = jaxckpt_cli(
+      'evaluate',
+      f'--workdir={workdir}',
+      '--follow',
+      '--poll_secs=0.05',
+      cache=compile_cache,
+      timeout=120)
+  assert r.returncode == 1, r.stderr
+  assert r.stderr.strip().splitlines()[-1].startswith('jaxckpt: E-EVAL-006: '), r.stderr
+
+
 # ----------------------------------------------------------------- 4. evaluated.json
 @pytest.mark.parametrize('content', ['{"abc": {}}', '{"-1": {}}', '{"4.5": {}}', 'directory'])
 def test_an_evaluated_json_that_is_not_one_is_e_eval_002(tmp_path, capsys, content):
