@@ -102,3 +102,24 @@ def test_remote_retention_neither_counts_nor_deletes_what_the_run_abandoned(s3_s
     uploader.close()
   # keep=2 counts this history's 25 and 35: the old 30 between them is not one of the two.
   wait_for(lambda: sorted(objects.committed(store)) == [25, 30, 35, 40], timeout=10)
+
+
+def test_a_start_with_nothing_above_it_reads_the_record_and_writes_nothing(histories, tmp_path):
+  from types import SimpleNamespace
+
+  from jaxckpt.hosts import remote_start
+  old, new = histories
+  store = Store(f'file://{tmp_path}/run')
+  _up(store, old, 10, 20, 30, 40)
+  gone = remote_abandoned.send(store, 20, {})
+  _up(store, new, 25)
+  record = tmp_path / 'run' / remote_abandoned.KEY
+  before = record.stat().st_mtime_ns
+  # A fresh machine resumed from 25, the remote's newest of the history the run is on: no
+  # record of its own, nothing to add; retention still needs what the remote's record names.
+  fresh = SimpleNamespace(store=store, start_step=25, lease=None)
+  assert remote_start.send_abandoned(fresh, 25, tmp_path / 'empty') == gone
+  assert record.stat().st_mtime_ns == before
+  # An explicit older resume point below the remote's newest: the steps above it are recorded.
+  back = SimpleNamespace(store=store, start_step=25, lease=None)
+  assert sorted(remote_start.send_abandoned(back, 10, tmp_path / 'empty')) == [20, 25, 30, 40]

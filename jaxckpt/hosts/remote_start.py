@@ -245,6 +245,10 @@ def send_abandoned(run, step: int, ckpt_dir: Path, timeout: float = 60) -> dict[
   record ({step: seal}; the workdir's when the store failed)."""
   local = abandoned.recorded(ckpt_dir)
   try:
+    if not local and (run.start_step is None or run.start_step <= step):
+      # Nothing intact above `step` that no record names (`sync_down` found the remote's newest
+      # otherwise): no listing, no write; the remote's record still guides retention.
+      return remote_abandoned.recorded(run.store)
     gone = remote_abandoned.send(
         run.store,
         step,
@@ -254,9 +258,10 @@ def send_abandoned(run, step: int, ckpt_dir: Path, timeout: float = 60) -> dict[
   except (StoreError, LeaseError, TimeoutError) as e:
     what = e.what if isinstance(e, CheckpointError) else f'no answer within {timeout:.0f} s'
     logging.warning(
-        'could not record the abandoned checkpoints in %s (%s): a machine that starts from '
-        'the remote alone, before the replay replaces them, would take the newest of them',
-        run.store.join(remote_abandoned.KEY), what)
+        'the record of abandoned checkpoints %s could not be read or written (%s): a machine '
+        'that starts from the remote alone, before the replay replaces them, would take the '
+        'newest of them, and remote retention counts them', run.store.join(remote_abandoned.KEY),
+        what)
     return local
   if gone:
     logging.info('recorded %d abandoned remote checkpoint(s) in %s (steps %s)', len(gone),
