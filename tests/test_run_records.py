@@ -158,3 +158,35 @@ def test_keep_best_keeps_the_checkpoints_with_the_lowest_heldout_loss(trainer, t
   assert committed_steps(tmp_path) == sorted({60, *best})  # the newest, and the best two
   inspect = jaxckpt_cli('inspect', str(tmp_path / 'checkpoints' / f'step_{best[0]:08d}'))
   assert f'metrics     heldout_loss {heldout[best[0]]:.6g}' in inspect.stdout, inspect.stdout
+
+
+def test_a_start_that_locked_a_removed_workdir_takes_the_one_there_now(tmp_path, monkeypatch):
+  """A refused start removes the workdir it made, while a second start has opened its LOCK and
+  not yet locked it: the second then holds a lock on a file no longer there, and must take the
+  LOCK there now, or a third start would get in beside it."""
+  import threading
+
+  from jaxckpt.records import workdir as wd
+  run = tmp_path / 'run'
+  first = wd.WorkdirLock(run).acquire()  # made the workdir; refused before it wrote anything
+  opened, go, real = threading.Event(), threading.Event(), wd.fcntl.flock
+
+  def flock(fd, op):  # the second start's lock comes a moment after its open
+    if threading.current_thread().name == 'second' and op != wd.fcntl.LOCK_UN:
+      opened.set()
+      go.wait(timeout=30)
+    return real(fd, op)
+
+  monkeypatch.setattr(wd.fcntl, 'flock', flock)
+  got = {}
+  second = threading.Thread(
+      target=lambda: got.update(lock=wd.WorkdirLock(run).acquire()), name='second')
+  second.start()
+  assert opened.wait(timeout=30)
+  first.release()  # removes LOCK and the workdir it made
+  go.set()
+  second.join(timeout=30)
+  assert (run / 'LOCK').is_file()  # the second start's, made again
+  with pytest.raises(UsageError, match='E-LOCK-001'):
+    wd.WorkdirLock(run).acquire()
+  got['lock'].release()

@@ -69,9 +69,28 @@ class WorkdirLock:
     self._made = False  # the workdir did not exist: a start refused at once removes it again
 
   def acquire(self) -> 'WorkdirLock':
+    for _ in range(100):  # a refused start removing its workdir between the open and the lock
+      fd = self._open_locked()
+      if _same_file(fd, self.path):
+        break
+      os.close(fd)  # the lock of a file no longer there names nothing: open the one there now
+    else:
+      raise UsageError(self.CODE, f'{self.path} keeps changing under this start',
+                       'one workdir has one writer: stop the others')
+    holder = _read_holder(fd)
+    self.previous_holder = holder or None
+    me = {'pid': os.getpid(), 'host': socket.gethostname(), 'started_at': time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    os.fsync(fd)
+    self._fd = fd
+    return self
+
+  def _open_locked(self) -> int:
+    """A descriptor of LOCK holding its exclusive lock (the workdir made first if missing)."""
     workdir = self.path.parent
     try:
-      self._made = not workdir.exists()
+      self._made = self._made or not workdir.exists()
       workdir.mkdir(parents=True, exist_ok=True)
       fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:  # the first thing a run writes: a bad --workdir shows here
@@ -88,14 +107,7 @@ class WorkdirLock:
           self.CODE, f'{self.path.parent} is in use by another {self.HOLDER} '
           f'(pid {holder.get("pid", "?")} on {holder.get("host", "?")}, since '
           f'{_when(holder.get("started_at"))})', self.FIX) from None
-    holder = _read_holder(fd)
-    self.previous_holder = holder or None
-    me = {'pid': os.getpid(), 'host': socket.gethostname(), 'started_at': time.time()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(me).encode(), 0)
-    os.fsync(fd)
-    self._fd = fd
-    return self
+    return fd
 
   def release(self) -> None:
     """Lets go; a workdir this lock made that holds nothing else goes too (a start refused
@@ -123,6 +135,14 @@ class EvaluatorLock(WorkdirLock):
 
   FILE, CODE, HOLDER = f'{EVALUATED}.lock', 'E-EVAL-001', 'evaluator'
   FIX = 'let it finish, or stop it first; one evaluator per workdir'
+
+
+def _same_file(fd: int, path: Path) -> bool:
+  """Whether `fd` is still the file at `path` (a lock on one removed since names nothing)."""
+  try:
+    return os.path.samestat(os.fstat(fd), os.stat(path))
+  except FileNotFoundError:
+    return False
 
 
 def _read_holder(fd: int) -> dict[str, Any]:
