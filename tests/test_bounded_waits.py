@@ -76,4 +76,7 @@ def test_a_save_in_flight_past_its_bound_fails_every_later_save_and_close_return
     mgr.save(2, {'w': np.zeros(3, np.float32)})
   assert again.value is e.value
   mgr.close()  # returns, raising nothing more: the writer still waiting is not joined
+  # That writer may still write here: the directory stays its own until the process ends.
+  with pytest.raises(CheckpointError, match='E-CKPT-020'):
+    CheckpointManager(tmp_path)
   x.block_until_ready()

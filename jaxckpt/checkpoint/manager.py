@@ -260,7 +260,7 @@ class CheckpointManager:
         self._executor.shutdown(wait=self._stuck is None)
         self._executor = None
       self._stager.close()
-      if self._held is not None:
+      if self._held is not None and self._stuck is None:  # a stuck writer may still write here
         self._held.release()
 
   def __enter__(self) -> 'CheckpointManager':
