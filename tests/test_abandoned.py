@@ -44,11 +44,12 @@ def test_checkpoints_above_the_one_a_run_went_back_to_are_never_the_newest(tmp_p
     _save(mgr, 30)  # the replay replaces step 30: it is this history's now
     assert sorted(abandoned.steps(tmp_path)) == [35, 40]
     assert _newest(tmp_path)[0] == 30
-    _save(mgr, 38)  # 35 sits between this history's steps: neither counted in keep nor deleted
-    assert sorted(layout.committed_steps(tmp_path)) == [25, 30, 35, 38, 40]  # keep=3: 25, 30, 38
+    _save(mgr, 38)  # the replay passed 35 without saving it: not counted in keep, deleted
+    assert sorted(layout.committed_steps(tmp_path)) == [25, 30, 38, 40]  # keep=3: 25, 30, 38
   with CheckpointManager(tmp_path, opts) as mgr:  # the next start continues from 38
     mgr.continue_from(_newest(tmp_path)[0])
-    assert sorted(abandoned.steps(tmp_path)) == [35, 40]  # 35: the replay skipped its number
+    assert sorted(abandoned.steps(tmp_path)) == [40]  # above 38: kept for the replay
+    assert 35 in abandoned.recorded(tmp_path)  # deleted here; --remote may still hold it
     _save(mgr, 35, 40, 50)
     assert abandoned.steps(tmp_path) == set() and _newest(tmp_path) == (50, [])
     mgr.continue_from(50)
@@ -127,14 +128,16 @@ def test_inspect_and_delete_of_a_run_see_the_history_it_is_on(tmp_path):
   assert sorted(layout.committed_steps(root)) == [10, 15, 20]
 
 
-def test_a_replay_that_skips_a_step_number_leaves_it_abandoned(tmp_path):
-  with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
+def test_a_replay_that_skips_a_step_number_deletes_it_unless_its_manifest_keeps_it(tmp_path):
+  with CheckpointManager(tmp_path, CheckpointOptions(keep=0, keep_every=40, mode='sync')) as mgr:
     _save(mgr, 10, 20, 25, 30, 40, 50)
     mgr.continue_from(20)
     _save(mgr, 25, 50)  # the replay's cadence: 25 steps; 30 and 40 are the old history's
+    # Passed without being saved again: 30 goes; 40's manifest keeps it (keep_every), it stays.
+    assert sorted(layout.committed_steps(tmp_path)) == [10, 20, 25, 40, 50]
   with CheckpointManager(tmp_path, CheckpointOptions(keep=0, mode='sync')) as mgr:
     mgr.continue_from(50)  # the next start resumes the newest, 50
-    assert sorted(abandoned.steps(tmp_path)) == [30, 40]
+    assert sorted(abandoned.steps(tmp_path)) == [40]
     (tmp_path / 'step_00000050' / layout.MANIFEST).write_text('{')  # damaged
     assert _newest(tmp_path)[0] == 25  # not the old history's 40
 

@@ -88,7 +88,8 @@ def test_a_remote_record_that_is_not_one_is_ignored(histories, tmp_path, record)
   assert remote_args.newest(store) == 20
 
 
-def test_remote_retention_neither_counts_nor_deletes_what_the_run_abandoned(s3_server, histories):
+def test_remote_retention_counts_not_what_the_run_abandoned_and_deletes_what_it_passed(
+    s3_server, histories):
   old, new = histories
   store = Store(s3_server.bucket())
   _up(store, old, 10, 20, 30, 40)
@@ -100,8 +101,9 @@ def test_remote_retention_neither_counts_nor_deletes_what_the_run_abandoned(s3_s
       assert uploader.wait(step, timeout=60)
   finally:
     uploader.close()
-  # keep=2 counts this history's 25 and 35: the old 30 between them is not one of the two.
-  wait_for(lambda: sorted(objects.committed(store)) == [25, 30, 35, 40], timeout=10)
+  # keep=2 counts this history's 25 and 35, not the old 30 between them, which the replay
+  # passed without uploading it again: it goes; the old 40, above the newest, stays.
+  wait_for(lambda: sorted(objects.committed(store)) == [25, 35, 40], timeout=10)
 
 
 def test_a_start_with_nothing_above_it_reads_the_record_and_writes_nothing(histories, tmp_path):
@@ -123,3 +125,46 @@ def test_a_start_with_nothing_above_it_reads_the_record_and_writes_nothing(histo
   # An explicit older resume point below the remote's newest: the steps above it are recorded.
   back = SimpleNamespace(store=store, start_step=25, lease=None)
   assert sorted(remote_start.send_abandoned(back, 10, tmp_path / 'empty')) == [20, 25, 30, 40]
+
+
+def test_a_local_abandoned_fallback_does_not_hide_the_remote_s_intact_history(
+    histories, tmp_path, monkeypatch):
+  """The workdir holds only what the run abandoned intact (its own history's step damaged): the
+  remote's intact copy of that history's step is fetched, not passed over for the local one."""
+  import shutil
+  from types import SimpleNamespace
+
+  from jaxckpt.checkpoint import discovery
+  from jaxckpt.hosts import remote_start
+  old, new = histories
+  store = Store(f'file://{tmp_path}/run')
+  _up(store, old, 10, 20, 30)
+  remote_abandoned.send(store, 20, {})  # the run went back to 20: 30 abandoned
+  _up(store, new, 25)
+  work = tmp_path / 'work' / 'checkpoints'
+  for step in (20, 30):
+    shutil.copytree(old / layout.step_dirname(step), work / layout.step_dirname(step))
+  abandoned.record(work, 20)  # continue_from(20); the replay then saved 25
+  shutil.copytree(new / layout.step_dirname(25), work / layout.step_dirname(25))
+  for step in (20, 25):  # this history's local checkpoints, damaged
+    (work / layout.step_dirname(step) / 'manifest.json').write_text('{')
+  assert discovery.latest_intact(work, checksums=False)[0].name == 'step_00000030'
+  fetched = []
+  monkeypatch.setattr(remote_start, 'fetch_step', lambda run, step, *a, **k: fetched.append(step))
+  run = SimpleNamespace(store=store, start_step=None, fetched=None)
+  remote_start.sync_down(run, work, resume='latest', fetch=True)
+  assert run.start_step == 25 and fetched == [25]
+
+
+def test_a_start_from_an_abandoned_checkpoint_makes_it_the_history_again(histories, tmp_path):
+  from types import SimpleNamespace
+
+  from jaxckpt.hosts import remote_start
+  old, _ = histories
+  store = Store(f'file://{tmp_path}/run')
+  _up(store, old, 20, 30)
+  remote_abandoned.send(store, 20, {})
+  objects.delete(store, 20, lambda what: None)  # nothing else intact: 30 is taken after all
+  fresh = SimpleNamespace(store=store, start_step=30, lease=None)
+  assert remote_start.send_abandoned(fresh, 30, tmp_path / 'empty') == {}
+  assert remote_abandoned.recorded(store) == {}  # its base is no abandoned checkpoint now

@@ -8,8 +8,9 @@ a crash before the replay gets there resumes the history the run is on, not the 
 `record(root, R)` (`CheckpointManager.continue_from`) writes their steps and seals, durably,
 before the first step; `steps(root)` is what is still abandoned: a step the replay rewrote has
 another seal and counts again (the record goes once none is left: `left`, after each commit).
-`discovery.latest_intact` passes over them, and retention neither counts them in `keep` nor
-deletes them (`jaxckpt delete` does). The record is this directory's:
+`discovery.latest_intact` passes over them; retention does not count them in `keep`, and
+deletes those below the step just committed (the replay passed them without saving them again)
+unless their manifests keep them. The record is this directory's:
 a checkpoint copied elsewhere carries no word of it; a remote tier keeps its own
 (`remote.abandoned`).
 """

@@ -1,8 +1,10 @@
 """Deleting what the retention policy lets go, right after a commit (`CheckpointManager`).
 
 What a checkpoint's own manifest says is kept (`policy.pins`) is never deleted here, whatever
-the flags of the run deleting: only `jaxckpt delete CKPT --kept` removes it. Nor is a checkpoint
-a run abandoned when it went back to an older one (`abandoned`), and `keep` does not count it.
+the flags of the run deleting: only `jaxckpt delete CKPT --kept` removes it. `keep` does not
+count a checkpoint a run abandoned when it went back to an older one (`abandoned`); one numbered
+above the step just committed stays (the replay replaces it), one below it goes (the replay
+passed it without saving it again), unless its manifest keeps it.
 """
 
 from __future__ import annotations
@@ -101,11 +103,15 @@ def apply(directory: Path,
     for gone in set(_FIELDS) - {str(p / layout.MANIFEST) for p in committed.values()}:
       if Path(gone).parent.parent == directory:
         _FIELDS.pop(gone, None)
-    left = abandoned.left(directory, committed)  # neither counted in `keep` nor deleted here
-    committed = {s: p for s, p in committed.items() if s not in left}
-    records = fields(committed)
+    left = abandoned.left(directory, committed)  # never counted in `keep`
+    current = {s: p for s, p in committed.items() if s not in left}
+    records = fields(current)
     doomed = policy.to_delete(
-        committed, best_metric(records, options), newest=newest, pinned=pins(records))
+        current, best_metric(records, options), newest=newest, pinned=pins(records))
+    # What the run abandoned below the step just committed (the replay passed it without saving
+    # it again): deleted, unless its own manifest keeps it. Above that step it stays.
+    below = {s: p for s, p in committed.items() if s in left and s < (newest or -1)}
+    doomed += [s for s, r in fields(below).items() if not pins({s: r})]
     held = set(held)
     for step in [s for s in doomed if s not in held]:
       try:

@@ -192,6 +192,8 @@ class RemoteRun:
         on_event=self._on_event,
         mirror=(self.workdir / EXPORTS, EXPORTS + '/') if self.leader else None,
         parts=self.parts)
+    if self.leader:  # what the run abandons is known at `started`: remote retention waits
+      self.uploader.abandoned = None
     self._submit_start(resume_dir, ckpt_dir)
     runlog.event('remote', url=self.store.url, lease='on' if self.lease else 'off')
     runlog.status(remote=self.store.url, **self.status())

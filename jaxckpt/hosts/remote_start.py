@@ -81,8 +81,11 @@ def sync_down(run,
   # What this run abandoned (the workdir's record, or the remote's when the disk was lost) comes
   # after the rest: only when nothing local is there and nothing else remote is intact.
   order, left = remote_abandoned.newest_first(run.store, committed, [abandoned.recorded(ckpt_dir)])
+  # A local checkpoint the run abandoned (`latest_intact`'s fallback) is no local one of its
+  # history: an intact remote checkpoint of that history comes first.
+  local_gone = local_step is not None and local_step in abandoned.steps(ckpt_dir)
   for step in order:
-    if step in left and (local_step is not None or run.start_step is not None):
+    if step in left and ((local_step is not None and not local_gone) or run.start_step is not None):
       logging.info('passing over remote step %d: %s', step, discovery.ABANDONED)
       continue
     _, _, _, problems = objects.inspect(run.store, step, committed[step])
@@ -95,7 +98,7 @@ def sync_down(run,
                       step)
     if run.start_step is None:
       run.start_step = step
-    if local_step is not None and local_step >= step:
+    if local_step is not None and local_step >= step and (step in left or not local_gone):
       return
     if not fetch:
       if meanwhile is not None:  # what it says, it says itself
@@ -247,8 +250,11 @@ def send_abandoned(run, step: int, ckpt_dir: Path, timeout: float = 60) -> dict[
   try:
     if not local and (run.start_step is None or run.start_step <= step):
       # Nothing intact above `step` that no record names (`sync_down` found the remote's newest
-      # otherwise): no listing, no write; the remote's record still guides retention.
-      return remote_abandoned.recorded(run.store)
+      # otherwise): no listing, and no write unless the record names `step` or above (a start
+      # from what the run had abandoned, nothing else being intact: its history now).
+      named = remote_abandoned.recorded(run.store)
+      if not any(s >= step for s in named):
+        return named
     gone = remote_abandoned.send(
         run.store,
         step,

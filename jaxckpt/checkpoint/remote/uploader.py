@@ -86,8 +86,10 @@ class Uploader:
     self._metas: dict[int, dict[str, Any] | None] = {}  # their remote.json: attempt, records
     self._seals: dict[int, str | None] = {}  # their manifests' seals
     # {step: seal} of the remote checkpoints the run abandoned (`remote.abandoned`): retention
-    # neither counts them nor deletes them; the replay replaces them (process 0's `started`).
-    self.abandoned: Mapping[int, str] = {}
+    # does not count them, and deletes those below the newest commit that no manifest keeps;
+    # the replay replaces the others (process 0's `started`). None: not known
+    # yet, and retention waits for it (the next commit's deletes what this one would have).
+    self.abandoned: Mapping[int, str] | None = {}
     self._segments = Segments()  # the records sent by segment (process 0's)
     self._seeded = self._swept = False  # once per uploader: segments taken, unnamed removed
     self._unnamed: dict[str, float] = {}  # segment key: when a sweep first found it unnamed
@@ -346,6 +348,8 @@ class Uploader:
       logging.warning('remote store %s is back: step %d is durable there', self.store.url, step)
 
   def _apply_retention(self, newest: int) -> None:
+    if self.abandoned is None:
+      return
     try:
       remote, unfinished = steps(self.store)  # one listing for both
       for s in remote:
@@ -368,6 +372,9 @@ class Uploader:
           if s < newest
       ]
       doomed += [s for s in unfinished if s < newest]  # the parts of abandoned uploads
+      # What the run abandoned below this commit (the replay passed it without uploading it
+      # again): deleted, unless its own manifest keeps it.
+      doomed += [s for s in left if s < newest and not pins({s: self._fields[s]})]
       for s in doomed:
         delete(self.store, s, self._may_delete)
         self._fields.pop(s, None)
