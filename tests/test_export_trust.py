@@ -375,6 +375,28 @@ def test_a_failed_step_directory_names_both_formats_and_a_command_that_runs(
   assert sorted(os.listdir(tmp_path / 'exports' / STEP_20)) == ['hf', 'model.safetensors']
 
 
+def test_a_failed_hf_export_names_the_safetensors_it_took_with_it(run, tmp_path, monkeypatch,
+                                                                  capsys):
+  """hf and safetensors share one temporary directory, discarded whole: the command that writes
+  the export later writes both."""
+  from jaxckpt.export import during_training
+
+  def fail(*args, **kwargs):
+    raise OSError(28, 'No space left on device')
+
+  monkeypatch.setattr(during_training.hf, 'write_hf_dir', fail)
+  ex = exporter(tmp_path, every=10)
+  with pytest.raises(CheckpointError) as e:
+    ex.on_commit(commit(20, run))
+  line = e.value.line()
+  assert 'exporting step 20 as hf (with safetensors: one directory) to ' in line, line
+  monkeypatch.undo()
+  for part in line.split('`')[1].split(' && '):
+    code, _, err = call_cli(part.split()[1:], capsys)
+    assert code == 0, err
+  assert sorted(os.listdir(tmp_path / 'exports' / STEP_20)) == ['hf', 'model.safetensors']
+
+
 # --------------------------------------------------------- 10. an --out that is a symlink
 @pytest.mark.parametrize('fmt', ['safetensors', 'hf'])
 def test_an_out_that_is_a_symlink_is_replaced_as_a_name_leaving_no_debris(

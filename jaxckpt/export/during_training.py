@@ -143,27 +143,28 @@ def write_exports(directory: Path,
   """
   cfg = model_lib.as_model_config(model_cfg)
   meta = {'step': step, 'jaxckpt.model': json.dumps(cfg.to_dict(), sort_keys=True)}
-  # What is being written when it fails: one format's files, or the step directory (both
-  # formats) while it is renamed into place.
-  written, failing, target = [], list(formats[:1]), directory
+  # What is being written when it fails (`doing`), and the formats a failure loses (`failing`):
+  # safetensors and hf share one temporary directory, discarded whole when either fails.
+  written, failing, doing, target = [], list(formats[:1]), formats[:1], directory
   try:
     directory.mkdir(parents=True, exist_ok=True)
     in_step_dir = [f for f in formats if f != 'bin']
     if in_step_dir:  # safetensors and hf share exports/step_<n>/: one directory, one rename
       step_dir = export_path(directory, step, 'safetensors')
       with atomic_dir(step_dir) as tmp:
+        failing = in_step_dir
         for fmt in in_step_dir:
-          failing, target = [fmt], export_path(directory, step, fmt)
+          doing, target = [fmt], export_path(directory, step, fmt)
           if fmt == 'safetensors':
             safetensors_io.write_model(tmp / MODEL_FILE, params, metadata=meta)
             if optimizer and m is not None:
               safetensors_io.write_optimizer(tmp / OPTIMIZER_FILE, m, v, metadata=meta)
           else:
             hf.write_hf_dir(tmp / target.relative_to(step_dir), params, cfg, metadata=meta)
-        failing, target = in_step_dir, step_dir  # the rename of the whole directory
+        doing, target = in_step_dir, step_dir  # the rename of the whole directory
       written.append(step_dir)
     if 'bin' in formats:
-      failing, target = ['bin'], export_path(directory, step, 'bin')
+      failing, doing, target = ['bin'], ['bin'], export_path(directory, step, 'bin')
       if m is None:
         raise ValueError('the state holds no Adam moments (mu/nu) for the .bin format')
       flatbin.write_bin(target, step, params, m, v)
@@ -171,10 +172,13 @@ def write_exports(directory: Path,
   except Exception as e:
     checkpoint = Path(checkpoint) if checkpoint is not None else (directory.parent / CHECKPOINTS /
                                                                   layout.step_dirname(step))
-    later = ' && '.join(f'jaxckpt export {checkpoint} --format={f} '
-                        f'--out={export_path(directory, step, f)}' for f in failing)
+    later = ' && '.join(
+        f'jaxckpt export {checkpoint} --format={f} --out={export_path(directory, step, f)}' +
+        (' --optimizer' if f == 'safetensors' and optimizer else '') for f in failing)
+    lost = f' (with {",".join(f for f in failing if f not in doing)}: one directory)' if set(
+        failing) - set(doing) else ''
     raise CheckpointError(
-        'E-EXPORT-006', f'exporting step {step} as {",".join(failing)} to {target} failed: '
+        'E-EXPORT-006', f'exporting step {step} as {",".join(doing)}{lost} to {target} failed: '
         f'{type(e).__name__}: {e}', f'checkpoint step {step} is committed and intact and no '
         'partial export has a final name; the next checkpoint is exported in its place; fix '
         'the cause (disk space, permissions) and run the same command to continue, or turn '
