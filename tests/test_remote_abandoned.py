@@ -168,3 +168,22 @@ def test_a_start_from_an_abandoned_checkpoint_makes_it_the_history_again(histori
   fresh = SimpleNamespace(store=store, start_step=30, lease=None)
   assert remote_start.send_abandoned(fresh, 30, tmp_path / 'empty') == {}
   assert remote_abandoned.recorded(store) == {}  # its base is no abandoned checkpoint now
+
+
+def test_a_local_entry_neither_here_nor_remote_is_forgotten(histories, tmp_path):
+  """Else every later start would list the bucket for a step nothing holds any more."""
+  import shutil
+  from types import SimpleNamespace
+
+  from jaxckpt.hosts import remote_start
+  old, _ = histories
+  store = Store(f'file://{tmp_path}/run')
+  _up(store, old, 10, 20)  # 30 never went up
+  work = tmp_path / 'work' / 'checkpoints'
+  for step in (10, 20, 30):
+    shutil.copytree(old / layout.step_dirname(step), work / layout.step_dirname(step))
+  abandoned.record(work, 10)  # 20 and 30 abandoned
+  shutil.rmtree(work / layout.step_dirname(30))  # `jaxckpt delete`
+  run = SimpleNamespace(store=store, start_step=20, lease=None)
+  assert sorted(remote_start.send_abandoned(run, 10, work)) == [20]
+  assert sorted(abandoned.recorded(work)) == [20]  # 30: neither here nor in the remote

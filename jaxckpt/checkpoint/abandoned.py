@@ -116,10 +116,21 @@ def steps(root: Path, committed: Mapping[int, Path] | None = None) -> set[int]:
   return {s for s in _unreplaced(table, committed) if s in committed}
 
 
+def forget(root: Path, gone: set[int]) -> None:
+  """Drops the entries of `gone` that are not committed here (the remote tier no longer holds
+  them with the recorded seal): a record that names only what nothing holds any more goes."""
+  step, table = _read(root)
+  committed = layout.committed_steps(root)
+  kept = {s: seal for s, seal in table.items() if s not in gone or s in committed}
+  if kept != table:
+    _write(root, step, kept)
+
+
 def left(root: Path, committed: Mapping[int, Path]) -> set[int]:
   """`steps`, for the writer after a commit. An entry goes from the record once its step is
   committed again with another seal (the replay replaced it); one whose checkpoint was deleted
-  here stays, as `--remote` may still hold it. None left: the record goes."""
+  here stays, as `--remote` may still hold it (`forget` drops it once the remote does not). None
+  left: the record goes."""
   step, table = _read(root)
   if not table:
     return set()

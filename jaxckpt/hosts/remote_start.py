@@ -28,6 +28,7 @@ of either tier, before the workdir's records are opened (a download replaces the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -269,6 +270,9 @@ def send_abandoned(run, step: int, ckpt_dir: Path, timeout: float = 60) -> dict[
         'newest of them, and remote retention counts them', run.store.join(remote_abandoned.KEY),
         what)
     return local
+  with contextlib.suppress(
+      OSError):  # entries neither here nor there: later starts skip the listing
+    abandoned.forget(ckpt_dir, set(local) - set(gone))
   if gone:
     logging.info('recorded %d abandoned remote checkpoint(s) in %s (steps %s)', len(gone),
                  run.store.join(remote_abandoned.KEY), ', '.join(map(str, sorted(gone))))
