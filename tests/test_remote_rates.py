@@ -214,8 +214,10 @@ def test_an_upload_paced_to_its_share_meets_no_503(s3_server, proxy, step_dir, t
     assert refused, puts  # the burst of parts in flight meets the limit
   else:
     assert not refused, refused
+    # Paced to 2 a second: never more than 3 in any second as the store sees them (their slots
+    # are 0.5 s apart; each arrives some moments after its slot, a loaded machine's later).
     parts = sorted(r.began for r in puts if not r.path.endswith(objects.REMOTE_META))
-    assert all(b - a >= 0.5 * 0.95 for a, b in zip(parts, parts[1:])), parts
+    assert all(b - a >= 1.0 for a, b in zip(parts, parts[3:])), parts
   got, _ = objects.download(Store(url), 1, tmp_path / 'fresh')
   for path in (p for p in step_dir.rglob('*') if p.is_file()):
     assert (got / path.relative_to(step_dir)).read_bytes() == path.read_bytes(), path
