@@ -85,7 +85,7 @@ def hold(directory: Path) -> Held | None:
 def _hold(path: Path, directory: Path, key: tuple[int, int]) -> Held | None:
   for _ in range(100):  # another writer's release between the open and the lock: open again
     fd = _lock(path, directory)
-    if fd is None or _same(fd, path):
+    if fd is None or same_file(fd, path):
       break
     os.close(fd)
   else:
@@ -104,7 +104,8 @@ def _hold(path: Path, directory: Path, key: tuple[int, int]) -> Held | None:
   return Held(fd, path, key)
 
 
-def _same(fd: int, path: Path) -> bool:
+def same_file(fd: int, path: Path) -> bool:
+  """Whether `fd` is still the file at `path` (a lock on one removed since names nothing)."""
   try:
     return os.path.samestat(os.fstat(fd), os.stat(path))
   except FileNotFoundError:
@@ -117,7 +118,7 @@ def _lock(path: Path, directory: Path) -> int | None:
   try:
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
-    holder = _holder(fd)
+    holder = holder_of(fd)
     os.close(fd)
     since = holder.get('since')
     when = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since)) if isinstance(
@@ -133,7 +134,8 @@ def _lock(path: Path, directory: Path) -> int | None:
   return fd
 
 
-def _holder(fd: int) -> dict:
+def holder_of(fd: int) -> dict:
+  """What a lock file's holder wrote in it; {} when it is empty or not such a record."""
   try:
     found = json.loads(os.pread(fd, 4096, 0) or b'{}')
   except (OSError, ValueError, RecursionError):

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from jaxckpt.checkpoint import single_writer
 from jaxckpt.errors import UsageError
 
 CHECKPOINTS = 'checkpoints'
@@ -71,13 +72,13 @@ class WorkdirLock:
   def acquire(self) -> 'WorkdirLock':
     for _ in range(100):  # a refused start removing its workdir between the open and the lock
       fd = self._open_locked()
-      if _same_file(fd, self.path):
+      if single_writer.same_file(fd, self.path):
         break
       os.close(fd)  # the lock of a file no longer there names nothing: open the one there now
     else:
       raise UsageError(self.CODE, f'{self.path} keeps changing under this start',
                        'one workdir has one writer: stop the others')
-    holder = _read_holder(fd)
+    holder = single_writer.holder_of(fd)
     self.previous_holder = holder or None
     me = {'pid': os.getpid(), 'host': socket.gethostname(), 'started_at': time.time()}
     os.ftruncate(fd, 0)
@@ -101,7 +102,7 @@ class WorkdirLock:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      holder = _read_holder(fd)
+      holder = single_writer.holder_of(fd)
       os.close(fd)
       raise UsageError(
           self.CODE, f'{self.path.parent} is in use by another {self.HOLDER} '
@@ -135,21 +136,6 @@ class EvaluatorLock(WorkdirLock):
 
   FILE, CODE, HOLDER = f'{EVALUATED}.lock', 'E-EVAL-001', 'evaluator'
   FIX = 'let it finish, or stop it first; one evaluator per workdir'
-
-
-def _same_file(fd: int, path: Path) -> bool:
-  """Whether `fd` is still the file at `path` (a lock on one removed since names nothing)."""
-  try:
-    return os.path.samestat(os.fstat(fd), os.stat(path))
-  except FileNotFoundError:
-    return False
-
-
-def _read_holder(fd: int) -> dict[str, Any]:
-  try:
-    return json.loads(os.pread(fd, 4096, 0) or b'{}')
-  except ValueError:
-    return {}
 
 
 def _when(t: float | None) -> str:
