@@ -187,3 +187,29 @@ def test_a_local_entry_neither_here_nor_remote_is_forgotten(histories, tmp_path)
   run = SimpleNamespace(store=store, start_step=20, lease=None)
   assert sorted(remote_start.send_abandoned(run, 10, work)) == [20]
   assert sorted(abandoned.recorded(work)) == [20]  # 30: neither here nor in the remote
+
+
+def test_a_step_saved_again_here_but_not_uploaded_stays_abandoned_remotely(histories, tmp_path):
+  """The replay saved step 30 again in the workdir (its record dropped 30: replaced here), and
+  the upload did not get up before the stop. The next start continues from that local 30: the
+  remote's 30 is still the old history's until the new one replaces it there."""
+  import shutil
+  from types import SimpleNamespace
+
+  from jaxckpt.hosts import remote_start
+  old, new = histories
+  store = Store(f'file://{tmp_path}/run')
+  _up(store, old, 10, 20, 30)
+  assert sorted(remote_abandoned.send(store, 20, {})) == [30]  # the run went back to 20
+  work = tmp_path / 'work' / 'checkpoints'
+  for step in (25, 30):  # the replay's, here only
+    shutil.copytree(new / layout.step_dirname(step), work / layout.step_dirname(step))
+  run = SimpleNamespace(store=store, start_step=20, lease=None)
+  assert sorted(remote_start.send_abandoned(run, 30, work)) == [30]
+  # A fresh machine (this disk lost before the upload) takes 20, not the old history's 30.
+  assert remote_args.newest(store) == 20
+  _up(store, new, 30)  # the upload the start queued gets up: the remote's 30 is this history's
+  assert remote_args.newest(store) == 30
+  run = SimpleNamespace(store=store, start_step=30, lease=None)
+  assert remote_start.send_abandoned(run, 30, work) == {}
+  assert remote_abandoned.recorded(store) == {}

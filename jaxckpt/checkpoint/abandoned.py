@@ -29,7 +29,8 @@ MAX_BYTES = 1 << 20  # a step and a seal per checkpoint: far below this
 _log = logging.getLogger(__name__)
 
 
-def _seal(step_dir: Path) -> str | None:
+def seal(step_dir: Path) -> str | None:
+  """The seal of the manifest in `step_dir`; None when it cannot be read."""
   try:
     return manifest.seal_of((step_dir / layout.MANIFEST).read_bytes())
   except OSError:
@@ -44,15 +45,15 @@ def record(root: Path, step: int) -> dict[int, str]:
   committed = layout.committed_steps(root)
   gone = _unreplaced(_read(root)[1], committed)
   gone.pop(step, None)
-  gone.update({s: _seal(p) for s, p in committed.items() if s > step})
-  gone = {s: seal for s, seal in sorted(gone.items()) if seal is not None}
+  gone.update({s: seal(p) for s, p in committed.items() if s > step})
+  gone = {s: sl for s, sl in sorted(gone.items()) if sl is not None}
   _write(root, step, gone)
   return gone
 
 
 def _unreplaced(table: Mapping[int, str], committed: Mapping[int, Path]) -> dict[int, str]:
   """The entries of `table` not committed again with another seal (gone here, or the same)."""
-  return {s: seal for s, seal in table.items() if s not in committed or _seal(committed[s]) == seal}
+  return {s: sl for s, sl in table.items() if s not in committed or seal(committed[s]) == sl}
 
 
 def _write(root: Path, step: int, gone: Mapping[int, str]) -> None:
@@ -92,7 +93,7 @@ def parse(raw: bytes, where: str) -> tuple[int, dict[int, str]]:
   try:
     found = json.loads(raw) if len(raw) <= MAX_BYTES else None
     table = found.get('abandoned') if isinstance(found, Mapping) else None
-    out = {int(s): seal for s, seal in table.items() if isinstance(seal, str)}
+    out = {int(s): sl for s, sl in table.items() if isinstance(sl, str)}
     if len(out) == len(table) and all(s >= 0 for s in out):
       step = found.get('from_step')
       return (step if type(step) is int else 0), out  # pylint: disable=unidiomatic-typecheck
@@ -104,7 +105,7 @@ def parse(raw: bytes, where: str) -> tuple[int, dict[int, str]]:
 
 def encode(step: int, gone: Mapping[int, str]) -> dict:
   """The record of the checkpoints `gone` ({step: seal}) a run abandoned going back to `step`."""
-  return {'from_step': step, 'abandoned': {str(s): seal for s, seal in sorted(gone.items())}}
+  return {'from_step': step, 'abandoned': {str(s): sl for s, sl in sorted(gone.items())}}
 
 
 def steps(root: Path, committed: Mapping[int, Path] | None = None) -> set[int]:
@@ -121,7 +122,7 @@ def forget(root: Path, gone: set[int]) -> None:
   them with the recorded seal): a record that names only what nothing holds any more goes."""
   step, table = _read(root)
   committed = layout.committed_steps(root)
-  kept = {s: seal for s, seal in table.items() if s not in gone or s in committed}
+  kept = {s: sl for s, sl in table.items() if s not in gone or s in committed}
   if kept != table:
     _write(root, step, kept)
 

@@ -260,6 +260,7 @@ def send_abandoned(run, step: int, ckpt_dir: Path, timeout: float = 60) -> dict[
         run.store,
         step,
         local,
+        own_seal=abandoned.seal(ckpt_dir / layout.step_dirname(step)),
         may_write=run.lease.writable if run.lease is not None else lambda what: None,
         timeout=timeout)
   except (StoreError, LeaseError, TimeoutError) as e:

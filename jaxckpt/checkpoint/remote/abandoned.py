@@ -63,19 +63,26 @@ def send(store: Store,
          step: int,
          local: Mapping[int, str],
          *,
+         own_seal: str | None = None,
          may_write=lambda what: None,
          timeout: float | None = None) -> dict[int, str]:
   """Writes the record for a run that continues from `step` with the workdir's record `local`
   (see the module): every remote checkpoint committed above `step`, and the steps the earlier
-  record or `local` names that the remote still holds with that seal. Written only when it
-  differs from the one there; `may_write(url)` is the lease's check. Returns the record."""
+  record or `local` names that the remote still holds with that seal. `step` itself too when
+  the checkpoint the run continues from (its seal: `own_seal`) is not the remote's copy: the
+  replay saved it again here and has not uploaded it yet, so the remote's is still the old
+  history's. Written only when it differs from the one there; `may_write(url)` is the lease's
+  check. Returns the record."""
   committed = objects.committed(store)
   earlier = recorded(store)
   table: dict[int, str] = {}
-  for s in sorted(committed.keys() - {step}):
+  for s in sorted(committed):
     if s > step or s in earlier or s in local:
       seal = _seal(store, s, committed[s])
-      if seal is not None and (s > step or seal in (earlier.get(s), local.get(s))):
+      named = seal in (earlier.get(s), local.get(s))
+      if s == step:
+        named = named and own_seal is not None and own_seal != seal
+      if seal is not None and (s > step or named):
         table[s] = seal
   if table != earlier:
     may_write(store.join(KEY))
