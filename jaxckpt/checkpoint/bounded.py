@@ -90,7 +90,7 @@ def finished(future: concurrent.futures.Future, step: int, nbytes: int,
 
 
 def _ready(x: jax.Array) -> bool:
-  try:
-    return x.is_ready()
+  try:  # is_ready() of a deleted array crashes the process (jax 0.10)
+    return x.is_deleted() or x.is_ready()
   except Exception:  # pylint: disable=broad-except  # deleted, or failed: not ours to wait for
     return True

@@ -26,9 +26,41 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import layout, replicas, retention, shardtable, statefile
+from . import atomic, layout, multihost, replicas, retention, shardtable, statefile
 from .errors import CheckpointError
 from .multihost import Group
+
+
+def write_part(group: Group | None, stager: Any, tmp: Path, step: int, seq: int,
+               staged: Mapping[str, Any], region: Any, table: list[dict[str, Any]],
+               placed: tuple) -> tuple[dict[str, Any], list[dict[str, Any]], dict, dict]:
+  """Writes this process's state file of save `seq` (checkpoint `step`) under `tmp`: ({file:
+  {size, crc32}}, the tensor table with CRCs, the replicas it wrote, {file: the `InMemory` the
+  upload reads while `stager`'s `region` still holds it}). Across processes (`group`), process
+  0 lists every process's files and shards, once all of them are durable (`post`)."""
+  name = statefile.file_name(0 if group is None else group.index)
+  rel, ((places, grid), copies, kept) = f'{layout.STATE_DIR}/{name}', placed
+  header = []  # with the region: the file is in memory until the next save stages over it
+  written, crcs = statefile.write(
+      tmp / layout.STATE_DIR,
+      staged,
+      region=region,
+      name=name,
+      metadata=multihost.header_metadata(places),
+      on_header=header.append)
+  lent = region is not None and stager.lend(header[0], written[name]['size'])
+  in_memory = {rel: lent} if lent else {}
+  if group is None:
+    return ({rel: written[name]}, [{**row, 'crc32': crcs[row['name']]} for row in table], {},
+            in_memory)
+  held = replicas.write(tmp / layout.STATE_DIR, copies)  # before the barrier: in the commit
+  atomic.fsync_dir(tmp / layout.STATE_DIR)  # their names are durable too
+  record = shardtable.part_record(rel, written[name], crcs, places,
+                                  {t: np.shape(x) for t, x in staged.items()}, grid)
+  # Process 0 alone reads every part record and lists every file; the others, their own.
+  files = post(group, tmp, seq, step, record, held, grid, kept) or \
+      {rel: {k: written[name][k] for k in ('size', 'crc32')}}
+  return files, table, held, in_memory
 
 
 def post(group: Group,

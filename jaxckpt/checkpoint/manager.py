@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import shutil
 import threading
@@ -30,9 +31,9 @@ from typing import Any, Callable, Iterable, Mapping
 import jax
 import numpy as np
 
-from . import (abandoned, atomic, bounded, jobcommit, layout, manifest, multihost, orbaxstore,
-               reading, replicas, retention, shardtable, single_writer, statefile)
-from .errors import CheckpointError
+from . import (abandoned, atomic, bounded, calls, jobcommit, layout, manifest, multihost,
+               orbaxstore, reading, replicas, retention, single_writer)
+from .errors import ArgumentError, CheckpointError
 from .formats import SAFETENSORS
 from .options import CheckpointOptions, CommitInfo
 from .policy import RetentionPolicy, SavePolicy
@@ -81,7 +82,7 @@ class CheckpointManager:
     # Across processes every one opens its writer, process 0 cleans up, and all save together.
     self._group = multihost.Group(
         self.options.barrier_timeout_secs) if (writer and jax.process_count() > 1) else None
-    self._saves, self._held = 0, None
+    self._saves, self._held, self._closed = 0, None, False
     if writer:
       layout.check_writable(self.directory)  # here, not at the first save after a run's work
 
@@ -122,6 +123,7 @@ class CheckpointManager:
     passes them, each replacing the old one atomically (see `save`). Until then none of those
     is the newest checkpoint (`abandoned`: recorded here, before the first step).
     """
+    self._check_open('continue_from()')
     self._last_save_step, self._last_save_time = step, self._clock()
     if self._group is None or self._group.leader or not self._group.shared:
       abandoned.record(self.directory, step)
@@ -141,6 +143,7 @@ class CheckpointManager:
     pay for it (it waits for that thread). Call it once the shapes are known, before other work
     (a compile). Returns whether it prepares: not when `auto` would write without a staged copy
     for lack of host memory, nor across processes. Waits for the save in flight."""
+    self._check_open('prepare()')
     self.wait_until_finished()
     self._stager.wait_prepared()
     leaves = {n: x for n, x in named_leaves(state).items() if exclude is None or not exclude(n)}
@@ -174,12 +177,13 @@ class CheckpointManager:
     written; the manifest lists them under `excluded` (name, shape, dtype, spec), not under
     `tensors`, and the caller restores them from elsewhere (`restore` a target without them).
     """
-    if not self._writer:
-      raise CheckpointError('E-CKPT-008', 'this manager was opened read-only', 'open a writer')
-    t0 = time.perf_counter()
+    self._check_open('save()')
+    t0, step = time.perf_counter(), calls.step(step)
+    leaves = named_leaves(state)
+    calls.leaves(leaves)  # at the call, before waiting: the arrays it was handed
+    calls.metadata_keys(metadata)
     self.wait_until_finished()
     self._stager.wait_prepared()  # a `prepare` still faulting the buffer in
-    leaves = named_leaves(state)
     left_out = {}
     if exclude is not None:
       left_out = {n: x for n, x in leaves.items() if exclude(n)}
@@ -188,8 +192,8 @@ class CheckpointManager:
       multihost.refuse_process_local(leaves)
     # Captured now, as bytes and a private copy: the caller's dicts and lists may change while
     # the write runs (a bandit's pulls, counters), and a non-JSON value fails here, in its thread.
-    run_state_json = _json_bytes({'step': step, **(run_state or {})})
-    metadata = json.loads(_json_bytes(dict(metadata or {})))
+    run_state_json = calls.json_bytes({'step': step, **(run_state or {})})
+    metadata = json.loads(calls.json_bytes(dict(metadata or {})))
     # Across processes each one stages and writes only the shards it owns (`multihost`).
     group, parts, places, grid = self._group, leaves, {}, None
     copies = []  # the parts of other processes this one keeps (`replicas`)
@@ -251,7 +255,15 @@ class CheckpointManager:
       self._pending = None
     return pending.exception()
 
+  def _check_open(self, what: str) -> None:
+    """E-CKPT-008 on a reader, E-CKPT-022 once closed: neither writes (the lock is let go)."""
+    if not self._writer:
+      raise CheckpointError('E-CKPT-008', f'{what} on a manager opened read-only', 'open a writer')
+    if self._closed:
+      raise calls.closed(what)
+
   def close(self) -> None:
+    self._closed = True
     try:
       if self._stuck is None:  # raised once already otherwise
         self.wait_until_finished()
@@ -266,8 +278,15 @@ class CheckpointManager:
   def __enter__(self) -> 'CheckpointManager':
     return self
 
-  def __exit__(self, *exc) -> None:
-    self.close()
+  def __exit__(self, kind, error, tb) -> None:
+    if error is None:
+      self.close()
+      return
+    try:  # the body's error is the one raised; a failed save in the background is said with it
+      self.close()
+    except CheckpointError as e:
+      logging.getLogger(__name__).error('closing %s: %s', self.directory, e.line())
+      error.add_note(f'and while closing the checkpoint manager: {e.line()}')
 
   def _write(self, step, staged, shapes, run_state_json, metadata, t0, blocked) -> None:
     group = self._group
@@ -288,8 +307,9 @@ class CheckpointManager:
       metadata = {**metadata, 'storage': storage, 'retention': kept}
       if storage == SAFETENSORS:  # one file, straight from the staging region
         region = None if isinstance(staged, Unstaged) else self._stager.region
-        known, table, held = self._write_state(tmp, step, seq, staged, region, table,
-                                               (places, copies, kept))
+        known, table, held, self._in_memory = jobcommit.write_part(self._group, self._stager, tmp,
+                                                                   step, seq, staged, region, table,
+                                                                   (places, copies, kept))
       else:
         orbaxstore.save(tmp / layout.STATE_DIR, staged)
       final = self.step_dir(step)
@@ -348,33 +368,6 @@ class CheckpointManager:
           f'failed: {type(e).__name__}: {e}',
           f'checkpoint step {step} is committed and intact') from e
 
-  def _write_state(self, tmp, step, seq, staged, region, table, placed):
-    """Write this process's state file: ({file: {size, crc32}}, the tensor table with CRCs, the
-    replicas it wrote). Across processes, process 0 lists every process's files and shards, once
-    all of them are durable (`jobcommit`)."""
-    name = statefile.file_name(0 if self._group is None else self._group.index)
-    rel, ((places, grid), copies, kept) = f'{layout.STATE_DIR}/{name}', placed
-    header = []  # with the region: the file is in memory until the next save stages over it
-    written, crcs = statefile.write(
-        tmp / layout.STATE_DIR,
-        staged,
-        region=region,
-        name=name,
-        metadata=multihost.header_metadata(places),
-        on_header=header.append)
-    lent = region is not None and self._stager.lend(header[0], written[name]['size'])
-    self._in_memory = {rel: lent} if lent else {}
-    if self._group is None:
-      return {rel: written[name]}, [{**row, 'crc32': crcs[row['name']]} for row in table], {}
-    held = replicas.write(tmp / layout.STATE_DIR, copies)  # before the barrier: in the commit
-    atomic.fsync_dir(tmp / layout.STATE_DIR)  # their names are durable too
-    record = shardtable.part_record(rel, written[name], crcs, places,
-                                    {t: np.shape(x) for t, x in staged.items()}, grid)
-    # Process 0 alone reads every part record and lists every file; the others, their own.
-    files = jobcommit.post(self._group, tmp, seq, step, record, held, grid, kept) or \
-        {rel: {k: written[name][k] for k in ('size', 'crc32')}}
-    return files, table, held
-
   def _storage(self) -> str:
     return SAFETENSORS if self.options.storage == 'auto' else self.options.storage
 
@@ -392,16 +385,24 @@ class CheckpointManager:
   def read_run_state(self, step_or_dir: int | os.PathLike) -> dict[str, Any]:
     return atomic.read_json(self._resolve(step_or_dir) / layout.RUN_STATE)
 
-  def _resolve(self, step_or_dir) -> Path:
-    if isinstance(step_or_dir, (int, np.integer)):
-      return self.step_dir(int(step_or_dir))
-    return Path(step_or_dir)
+  def _resolve(self, step_or_dir, *, committed: bool = True) -> Path:
+    """A step's directory (one not `committed` here: E-CKPT-010), or the path given."""
+    if isinstance(step_or_dir, (str, os.PathLike)):
+      return Path(step_or_dir)
+    path = self.step_dir(calls.step(step_or_dir))
+    if committed and not (path / layout.MANIFEST).is_file():
+      steps = list(layout.committed_steps(self.directory))
+      raise ArgumentError(
+          'E-CKPT-010', f'step {step_or_dir} is not a committed checkpoint under '
+          f'{self.directory} (' + (f'steps {steps[0]}..{steps[-1]}' if steps else 'none') + ')',
+          'take one of latest_step() or all_steps() (retention may have removed it meanwhile)')
+    return path
 
   def verify(self, step_or_dir, *, checksums: bool | None = None) -> list[str]:
     """Problems of a checkpoint ([] when intact): the ones a full verification reports, its
     manifest's own checksum included. Damage is returned, never raised."""
     checksums = self.options.verify_checksums if checksums is None else checksums
-    return manifest.audit(self._resolve(step_or_dir), checksums=checksums)[1]
+    return manifest.audit(self._resolve(step_or_dir, committed=False), checksums=checksums)[1]
 
   def restore(self,
               step_or_dir: int | os.PathLike,
@@ -440,11 +441,3 @@ class CheckpointManager:
     leaves = [restored[n] for n in want]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
     return state, atomic.read_json(step_dir / layout.RUN_STATE)
-
-
-def _json_bytes(obj: Any) -> bytes:
-  try:
-    return (json.dumps(obj, indent=1) + '\n').encode()
-  except (TypeError, ValueError) as e:
-    raise CheckpointError('E-CKPT-011', f'run_state and metadata must be JSON: {e}',
-                          'pass plain dicts, lists, strings and numbers') from e

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from .errors import CheckpointError
+from .errors import ArgumentError, CheckpointError
 
 
 def leaf_name(path) -> str:
@@ -27,9 +27,23 @@ def named_leaves(tree) -> dict[str, Any]:
     # Building 449 path strings costs ~1 ms, on every save; a tree structure's names never change.
     if len(_NAMES) >= 64:
       _NAMES.clear()
-    names = _NAMES[treedef] = tuple(
-        leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+    names = tuple(leaf_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+    _check_names(names)
+    _NAMES[treedef] = names
   return dict(zip(names, leaves))
+
+
+def _check_names(names: tuple[str, ...]) -> None:
+  """Each leaf has a name of its own (`{'a/b': x, 'a': {'b': y}}` would give two leaves one
+  tensor), and none is the safetensors header's `__metadata__`."""
+  seen: dict[str, int] = {}
+  for i, name in enumerate(names):
+    if name == '__metadata__' or name in seen:
+      why = ('is the name safetensors keeps for its header'
+             if name == '__metadata__' else f'names leaves {seen[name]} and {i} of the tree')
+      raise ArgumentError('E-CKPT-021', f'leaf name {name!r} {why}',
+                          "rename a key: a leaf's name is its path joined by '/'")
+    seen[name] = i
 
 
 _NAMES: dict[Any, tuple[str, ...]] = {}
