@@ -38,7 +38,8 @@ from .formats import SAFETENSORS
 from .options import CheckpointOptions, CommitInfo
 from .policy import RetentionPolicy, SavePolicy
 from .staging import (DeviceSnapshot, HostStager, Unstaged, auto_mode, available_host_memory,
-                      choose_mode, choose_staging)  # noqa: F401  # choose_mode: tests
+                      check_storable, choose_staging)
+from .staging import choose_mode  # noqa: F401  # tests import it from here
 from .tree import avals, check_fits, named_leaves, tensor_table
 
 
@@ -188,6 +189,7 @@ class CheckpointManager:
     if exclude is not None:
       left_out = {n: x for n, x in leaves.items() if exclude(n)}
       leaves = {n: x for n, x in leaves.items() if n not in left_out}
+    check_storable(self._storage(), leaves)  # E-CKPT-013 here, not from the writer
     if self._group is not None:  # before anything is written: N copies of one array, no restore
       multihost.refuse_process_local(leaves)
     # Captured now, as bytes and a private copy: the caller's dicts and lists may change while
@@ -428,9 +430,9 @@ class CheckpointManager:
     several files, this process's byte ranges, placed once read). From orbax, the read follows.
     """
     step_dir = self._resolve(step_or_dir)
-    raw, meta = manifest.read_bytes(step_dir)
+    raw, meta = reading.manifest_bytes(step_dir)  # E-CKPT-010 once retention removed it
     checksums = verify and self.options.verify_checksums
-    want = named_leaves(target)
+    want = reading.targets(named_leaves(target))  # a numpy leaf: the default device
     shards = reading.shard_rows(step_dir, raw, meta, verify=verify)
     if verify:
       reading.audit(step_dir, meta, want, shards, checksums=checksums)
@@ -440,4 +442,4 @@ class CheckpointManager:
     restored = reading.read_arrays(step_dir, meta, want, meanwhile=meanwhile, **how)
     leaves = [restored[n] for n in want]
     state = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target), leaves)
-    return state, atomic.read_json(step_dir / layout.RUN_STATE)
+    return state, reading.read_run_state(step_dir)

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -62,10 +64,41 @@ class CheckpointOptions:
     if self.staging not in STAGINGS:
       raise ArgumentError('E-CONFIG-004', f'checkpoint staging {self.staging!r} is not one of '
                           f'{STAGINGS}', 'use auto, host or device')
-    for field in ('every_steps', 'every_secs', 'keep', 'keep_every', 'keep_best', 'replicas'):
-      if getattr(self, field) < 0:
-        raise ArgumentError('E-CONFIG-004', f'checkpoint {field}={getattr(self, field)} is '
-                            'negative', 'use 0 to turn it off')
+    for field in COUNTS:
+      value = getattr(self, field)
+      if not _whole(value) or value < 0:
+        raise ArgumentError('E-CONFIG-004', f'checkpoint {field}={value!r} is not a whole number '
+                            'of 0 or more', 'pass an int (0 turns it off)')
+      object.__setattr__(self, field, int(value))  # numpy integers too: JSON and retention want int
+    for field, least in (('every_secs', 'of 0 or more'), ('barrier_timeout_secs', 'above 0')):
+      value, secs = getattr(self, field), _seconds(getattr(self, field))
+      if secs is None or secs < 0 or (secs == 0 and field == 'barrier_timeout_secs'):
+        raise ArgumentError(
+            'E-CONFIG-004', f'checkpoint {field}={value!r} is not a finite number '
+            f'of seconds {least}', 'pass a number of seconds' +
+            (' (0 turns it off)' if field == 'every_secs' else ', e.g. 600'))
+      object.__setattr__(self, field, secs)
+
+
+# The options that count (steps, checkpoints, processes): ints of 0 or more, 0 turning them off.
+COUNTS = ('every_steps', 'keep', 'keep_every', 'keep_best', 'replicas')
+
+
+def _whole(value: Any) -> bool:
+  """An int or a numpy integer, not a bool (True would be a keep of 1; numpy's bool is neither)."""
+  return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _seconds(value: Any) -> float | None:
+  """`value` as a finite number of seconds (an int or float, numpy's too; not a bool); None when
+  it is not one (NaN, inf, a string, an int too large for a float)."""
+  if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    return None
+  try:
+    secs = float(value)
+  except OverflowError:
+    return None
+  return secs if math.isfinite(secs) else None
 
 
 @dataclasses.dataclass(frozen=True)

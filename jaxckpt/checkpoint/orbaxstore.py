@@ -14,10 +14,36 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from .errors import ArgumentError
+
 
 def save(directory: Path, arrays: Mapping[str, Any]) -> None:
+  arrays = dict(arrays)  # once: a `staging.Unstaged` fetches each leaf as it is asked for
+  check(arrays)  # before orbax says it its own way, from its threads
   ocp = _ocp()
-  _checkpointer().save(directory, args=ocp.args.PyTreeSave(dict(arrays)))
+  _checkpointer().save(directory, args=ocp.args.PyTreeSave(arrays))
+
+
+def check(arrays: Mapping[str, Any]) -> None:
+  """ArgumentError (E-CKPT-013) naming what orbax cannot save, before anything is written: an
+  empty state, a zero-size array, a dtype tensorstore has no name for (uint4). `arrays`: anything
+  with shape and dtype."""
+  if not arrays:
+    raise ArgumentError('E-CKPT-013', 'orbax cannot save an empty state (no arrays)',
+                        'use storage=safetensors, or save at least one array')
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel  # orbax's, loaded with it
+  for name, x in arrays.items():
+    if 0 in np.shape(x):
+      raise ArgumentError('E-CKPT-013', f'orbax cannot save a zero-size array: {name} '
+                          f'{list(np.shape(x))}', 'use storage=safetensors')
+  for dtype in {x.dtype for x in arrays.values()}:  # each distinct dtype once
+    try:
+      ts.dtype(np.dtype(dtype).name)
+    except (TypeError, ValueError):
+      name = next(n for n, x in arrays.items() if x.dtype == dtype)
+      raise ArgumentError(
+          'E-CKPT-013', f'orbax cannot save {name}: dtype {np.dtype(dtype)} has '
+          'no tensorstore type', 'save it as another dtype') from None
 
 
 def restore(directory: Path, want: Mapping[str, Any], *, partial: bool) -> dict[str, Any]:

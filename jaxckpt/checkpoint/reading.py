@@ -9,20 +9,27 @@
   once it is done, as the rest lands: the read and its page faults cost the start nothing when
   the compile is longer.
 - Orbax: tensorstore reads what each device needs.
+
+A target leaf without a sharding (a numpy array, a `jax.ShapeDtypeStruct` made without one) is
+restored onto the default device (`targets`). A read that fails because a writer's retention
+removed the checkpoint meanwhile is E-CKPT-010 (take the newest again), never damage or a raw
+OSError (`_unless_removed`): evaluators read the newest checkpoint of a run that keeps deleting
+older ones.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 import jax
 import numpy as np
 
-from . import beside, layout, manifest, multihost, orbaxstore, shardtable
-from .errors import CheckpointError
+from . import atomic, beside, layout, manifest, multihost, orbaxstore, shardtable
+from .errors import ArgumentError, CheckpointError
 from .formats import SAFETENSORS, data_file, read_state_file
 
 
@@ -31,7 +38,9 @@ def audit(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any],
   """E-CKPT-003 unless the checkpoint's files match its manifest, before a restore reads them.
   The state files' CRCs are checked while they are read (tensor by tensor when a subset is
   read, shard by shard across processes): one pass over the data, not two. Across processes, a
-  file holding none of this process's shards may be on another disk."""
+  file holding none of this process's shards may be on another disk. A target leaf that is not
+  an array is refused first (`targets`); a checkpoint removed meanwhile is E-CKPT-010."""
+  want = targets(want)
   single = data_file(meta)
   read_later = [single] if single else multihost.state_files(meta) + [shardtable.SHARDS]
   _, problems = manifest.audit(
@@ -41,6 +50,8 @@ def audit(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any],
       skip_checksum=read_later,
       absent_ok=() if shards is None else multihost.unread(meta, want, shards))
   if problems:
+    if removed(step_dir):  # its files went with it: retention, not damage
+      raise _removed(step_dir)
     raise CheckpointError(
         'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +
         (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
@@ -58,7 +69,69 @@ def shard_rows(step_dir: Path, raw: bytes, meta: Mapping[str, Any], *,
   if verify and (problem := manifest.check_seal(raw, meta)):
     raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problem}',
                           'resume from an earlier checkpoint')
-  return shardtable.shard_table(step_dir, meta, single)
+  return _unless_removed(step_dir, lambda: shardtable.shard_table(step_dir, meta, single))
+
+
+def targets(want: Mapping[str, Any]) -> dict[str, Any]:
+  """`want` ({name: target leaf}) with a sharding on every leaf: one without (a numpy array, a
+  `ShapeDtypeStruct` made without one) is restored onto the default device, `jax.devices()[0]`.
+  ArgumentError (E-CKPT-021) naming a leaf that is not an array (no shape and dtype)."""
+  out, default = {}, None
+  for name, x in want.items():
+    if not (hasattr(x, 'shape') and hasattr(x, 'dtype')):
+      raise ArgumentError(
+          'E-CKPT-021', f'restore target leaf {name!r} is a {type(x).__name__}, not an array',
+          'pass arrays or jax.ShapeDtypeStructs (with a sharding, else the default device)')
+    if getattr(x, 'sharding', None) is None:
+      default = default or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      x = jax.ShapeDtypeStruct(tuple(np.shape(x)), np.dtype(x.dtype), sharding=default)
+    out[name] = x
+  return out
+
+
+def manifest_bytes(step_dir: Path) -> tuple[bytes, dict[str, Any]]:
+  """`manifest.read_bytes` for a restore: E-CKPT-010 when the checkpoint was removed since it
+  was found (a writer's retention)."""
+  return _unless_removed(step_dir, lambda: manifest.read_bytes(step_dir))
+
+
+def read_run_state(step_dir: Path) -> dict[str, Any]:
+  """The run state a restore returns: E-CKPT-010 when the checkpoint was removed while it was
+  read (a writer's retention), E-CKPT-004 when the file is missing from one still there."""
+  return _unless_removed(step_dir, lambda: atomic.read_json(step_dir / layout.RUN_STATE))
+
+
+def removed(step_dir: Path) -> bool:
+  """Whether `step_dir` is no longer a committed checkpoint: its manifest is gone, or the whole
+  directory (retention renames it aside, then deletes it)."""
+  return not (step_dir / layout.MANIFEST).is_file()
+
+
+def _removed(step_dir: Path) -> ArgumentError:
+  return ArgumentError(
+      'E-CKPT-010', f'{step_dir} was removed while being read (retention: a writer deletes '
+      'older checkpoints after each commit)', 'take the newest again (latest_step())')
+
+
+T = TypeVar('T')
+
+
+def _unless_removed(step_dir: Path, read: Callable[[], T]) -> T:
+  """`read()`, whose failure once `step_dir` is gone is E-CKPT-010 (whatever the read met: a
+  missing file, a short one, a header that vanished); a file missing from a checkpoint still
+  there is E-CKPT-003. An ArgumentError (a call that cannot work) is raised as it is."""
+  try:
+    return read()
+  except ArgumentError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # told apart by the manifest, below
+    if removed(step_dir):
+      raise _removed(step_dir) from e
+    if isinstance(e, FileNotFoundError):
+      what = os.path.relpath(os.fsdecode(e.filename), step_dir) if e.filename else str(e)
+      raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {what}: missing',
+                            'resume from an earlier checkpoint') from e
+    raise
 
 
 def read_arrays(step_dir: Path,
@@ -74,14 +147,17 @@ def read_arrays(step_dir: Path,
   an array). `verify=False`: the caller's check just read the file (no direct I/O needed).
   `shards`: `shard_rows`'s answer; given, each process reads the byte ranges of its shards.
   `meanwhile` runs on this thread while the state file, or this process's byte ranges of the
-  state files, are read on another (see the module's docstring); before the read from orbax."""
-  single = data_file(meta)
+  state files, are read on another (see the module's docstring); before the read from orbax.
+  A target leaf without a sharding lands on the default device (`targets`)."""
+  single, want = data_file(meta), targets(want)
   if shards is not None:
     if meanwhile is None:
-      return multihost.restore(step_dir, shards, want, checksums=checksums)
+      return _unless_removed(step_dir,
+                             lambda: multihost.restore(step_dir, shards, want, checksums=checksums))
     held = multihost.held_boxes(want)  # this process's byte ranges, read beside `meanwhile`
     boxes = beside.beside(
-        lambda: multihost.read_boxes(step_dir, shards, held, checksums=checksums),
+        lambda: _unless_removed(
+            step_dir, lambda: multihost.read_boxes(step_dir, shards, held, checksums=checksums)),
         meanwhile,
         _stuck(step_dir, multihost.read_bound(shards, held)),
         name=READER)
@@ -89,7 +165,8 @@ def read_arrays(step_dir: Path,
   if not single:
     if meanwhile is not None:
       meanwhile()  # tensorstore reads what each device needs: on this thread, after it
-    return orbaxstore.restore(step_dir / layout.STATE_DIR, want, partial=partial)
+    return _unless_removed(
+        step_dir, lambda: orbaxstore.restore(step_dir / layout.STATE_DIR, want, partial=partial))
 
   def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     # One batched call per run (andrea_12m's 233 leaves: 6 ms batched, 9 ms one device_put
@@ -98,8 +175,9 @@ def read_arrays(step_dir: Path,
         zip(arrays, jax.device_put(list(arrays.values()), [want[n].sharding for n in arrays])))
 
   if meanwhile is None:
-    return read_state_file(
-        step_dir, meta, list(want), checksums=checksums, place=place, direct=verify)
+    return _unless_removed(
+        step_dir, lambda: read_state_file(
+            step_dir, meta, list(want), checksums=checksums, place=place, direct=verify))
   path = step_dir / single
   stuck = _stuck(path, meta['files'][single]['size'])
 
@@ -115,13 +193,14 @@ def read_arrays(step_dir: Path,
       pass
 
   beside.beside(
-      lambda: read_state_file(
-          step_dir,
-          meta,
-          list(want),
-          checksums=checksums,
-          place=lambda a: landed.put(a) or {},
-          direct=verify),
+      lambda: _unless_removed(
+          step_dir, lambda: read_state_file(
+              step_dir,
+              meta,
+              list(want),
+              checksums=checksums,
+              place=lambda a: landed.put(a) or {},
+              direct=verify)),
       meanwhile,
       stuck,
       name=READER,

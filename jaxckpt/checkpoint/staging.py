@@ -37,7 +37,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from . import bounded, statefile
+from . import bounded, orbaxstore, statefile
 from . import pinned as pinned_memory
 from .directio import ALIGN, aligned_empty, padded
 from .errors import CheckpointError
@@ -85,7 +85,9 @@ class HostStager:
 
   The buffer (`region`) is page-aligned and laid out as the state file's data region
   (`statefile.plan`): the writer sends it to disk as it is, with O_DIRECT. It is kept while the
-  layout stays the same, which in a training run is always.
+  layout stays the same, which in a training run is always. Dtypes a state file cannot hold
+  (complex, int4) are laid out too, for orbax to write from: which storage takes which dtypes is
+  `check_storable`'s to say, at the call.
   """
 
   def __init__(self, pinned: bool | None = None):
@@ -120,7 +122,7 @@ class HostStager:
     copy is in use: the caller waits for its save first."""
     self.wait_prepared()
     self._revoke()
-    p = statefile.plan(leaves)  # in the caller's thread: a dtype it cannot save fails here
+    p = statefile.plan(leaves, any_dtype=True)  # in the caller's thread
     size = max(padded(p.data_len), ALIGN)
     if self.region is not None and len(self.region) == size:
       return  # already there, and touched
@@ -178,7 +180,7 @@ class HostStager:
         raise CheckpointError('E-CKPT-007', f'{name} is not fully addressable from this '
                               'process', 'multi-process saving needs a process-local writer')
     bounded.ready(leaves.items(), 'save')  # the step computing them may still be running
-    self._lay_out(statefile.plan(leaves))
+    self._lay_out(statefile.plan(leaves, any_dtype=True))
     through = [n for n, x in leaves.items() if self._through_pinned(x)]
     taken = set(through)
     rest = {n: x for n, x in leaves.items() if n not in taken}
@@ -320,6 +322,17 @@ def _halves(sizes: Mapping[str, int], itemsizes: Mapping[str, int]) -> tuple[Pie
       second.append((name, cut, None))
     at += size
   return first, second
+
+
+def check_storable(storage: str, leaves: Mapping[str, Any]) -> None:
+  """An ArgumentError (E-CKPT-013) naming a leaf `storage` cannot save, for a save to call before
+  anything is staged (the stager lays out any dtype): for safetensors a dtype it has no code for
+  (complex, int4); for orbax an empty state, a zero-size array or a dtype tensorstore lacks
+  (uint4). Leaves are anything with shape and dtype."""
+  if storage == 'orbax':
+    orbaxstore.check(leaves)
+  else:
+    statefile.check_dtypes(leaves)
 
 
 def available_host_memory(meminfo: str = '/proc/meminfo') -> int | None:

@@ -42,7 +42,7 @@ import numpy as np
 
 from .checksum import crc32, crc32_combine
 from .directio import ALIGN, aligned_empty, open_direct, padded, pread_into, pwrite_all
-from .errors import CheckpointError
+from .errors import ArgumentError, CheckpointError
 
 FORMAT = 'jaxckpt.safetensors'
 SUFFIX = '.safetensors'
@@ -75,28 +75,27 @@ def find(directory: Path) -> Path:
 
 
 @functools.lru_cache(maxsize=16)
-def _plan(key: tuple[tuple[str, tuple[int, ...], str], ...]) -> 'Plan':
+def _plan(key: tuple[tuple[str, tuple[int, ...], np.dtype], ...]) -> 'Plan':
   # Tensors whose size is a multiple of 64 bytes first (all of a GPT's large ones): each then
   # starts 64-byte aligned, as zero-copy placement on a device wants. The rest by item size,
   # largest first: every tensor starts at a multiple of its own item size, with no hole.
-  nbytes = [math.prod(shape) * DTYPES[code].itemsize for _, shape, code in key]
-  order = sorted(
-      range(len(key)), key=lambda i: (nbytes[i] % _ALIGN_TO != 0, -DTYPES[key[i][2]].itemsize))
+  nbytes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in key]
+  order = sorted(range(len(key)), key=lambda i: (nbytes[i] % _ALIGN_TO != 0, -key[i][2].itemsize))
   offsets, at = {}, 0
   for i in order:
-    name, shape, code = key[i]
-    nbytes = math.prod(shape) * DTYPES[code].itemsize
-    offsets[name] = (at, at + nbytes)
-    at += nbytes
+    offsets[key[i][0]] = (at, at + nbytes[i])
+    at += nbytes[i]
   names = tuple(key[i][0] for i in order)
-  tensors = {
-      name: {'dtype': code, 'shape': list(shape), 'data_offsets': list(offsets[name])}
-      for name, shape, code in (key[i] for i in order)
+  tensors = {  # a dtype without a code (staging for orbax) is never written: its name stands in
+      name: {
+          'dtype': CODES.get(dtype.name, dtype.name), 'shape': list(shape),
+          'data_offsets': list(offsets[name])
+      } for name, shape, dtype in (key[i] for i in order)
   }
   probe = _header_json(tensors, {n: _UNSET for n in names}, _UNSET)
   header_len = -(-(8 + len(probe)) // ALIGN) * ALIGN  # data starts 4 KiB-aligned
-  return Plan(names, offsets, {n: DTYPES[c] for n, _, c in key}, {n: s for n, s, _ in key}, at,
-              header_len, tensors)
+  return Plan(names, offsets, {n: d for n, _, d in key}, {n: s for n, s, _ in key}, at, header_len,
+              tensors)
 
 
 class Plan:
@@ -122,16 +121,34 @@ class Plan:
     return bytes(out)
 
 
-def plan(arrays: Mapping[str, Any]) -> Plan:
-  """The file layout of `arrays` (anything with `shape` and `dtype`); cached per layout."""
+def plan(arrays: Mapping[str, Any], *, any_dtype: bool = False) -> Plan:
+  """The file layout of `arrays` (anything with `shape` and `dtype`); cached per layout.
+
+  A dtype safetensors has no code for (complex, int4) is E-CKPT-013, unless `any_dtype`: the
+  layout of a staging buffer that orbax writes from (`staging.HostStager`), never of a file
+  (`write` plans again, and refuses it).
+  """
   key = []
   for name, x in arrays.items():
-    code = CODES.get(np.dtype(x.dtype).name)
-    if code is None:
-      raise CheckpointError('E-CKPT-013', f'{name}: dtype {np.dtype(x.dtype)} has no safetensors '
-                            'code', "save it as another dtype, or use storage='orbax'")
-    key.append((name, tuple(int(d) for d in np.shape(x)), code))
+    dtype = np.dtype(x.dtype)
+    if dtype.name not in CODES and not any_dtype:
+      raise _uncoded(name, dtype)
+    key.append((name, tuple(int(d) for d in np.shape(x)), dtype))
   return _plan(tuple(key))
+
+
+def check_dtypes(arrays: Mapping[str, Any]) -> None:
+  """E-CKPT-013 naming a leaf of `arrays` whose dtype safetensors has no code for, `plan`'s
+  refusal without its cost: each distinct dtype is looked at once (a GPT's 449 leaves: 0.04 ms,
+  where a plan takes 1.4 ms)."""
+  for dtype in {x.dtype for x in arrays.values()}:
+    if np.dtype(dtype).name not in CODES:
+      raise _uncoded(next(n for n, x in arrays.items() if x.dtype == dtype), np.dtype(dtype))
+
+
+def _uncoded(name: str, dtype: np.dtype) -> ArgumentError:
+  return ArgumentError('E-CKPT-013', f'{name}: dtype {dtype} has no safetensors code',
+                       "save it as another dtype, or use storage='orbax'")
 
 
 def _header_json(tensors: Mapping[str, Any],
