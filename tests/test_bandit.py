@@ -79,3 +79,21 @@ def test_a_snapshot_keeps_its_values_while_the_bandit_goes_on():
   for step in range(5, 9):
     b.record(step, step % 2, 3.0 - 0.1 * step)
   assert repr(snap) == frozen and sum(snap['pulls']) == 4
+
+
+def test_reconcile_lays_the_arms_out_in_the_sources_order():
+  """`choose` returns a position in the dataset's sources: a new source that sorts before the
+  others must not shift the saved weights and counts onto other sources."""
+  b = bandit.Bandit(cfg(), ['main', 'web'], seed=0)
+  for step in range(1, 15):
+    b.record(step, b.choose(step), 2.0)
+  saved = b.snapshot()
+  state, _, added, _ = bandit.reconcile(saved, ['books', 'main', 'web'], phase=0)
+  assert added == ['books'] and state['arms'] == ['books', 'main', 'web']
+  for key in ('log_weights', 'pulls', 'ema_reward', 'ema_loss'):
+    assert state[key][1:] == list(saved[key]), key
+  assert state['pulls'][0] == 0
+  assert [a for a, _ in state['pending']] == [a + 1 for a, _ in saved['pending']]
+  # The same sources in another order: each keeps its own values.
+  swapped, _, _, _ = bandit.reconcile(saved, ['web', 'main'], phase=0)
+  assert swapped['pulls'] == [saved['pulls'][1], saved['pulls'][0]]

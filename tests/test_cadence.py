@@ -151,6 +151,9 @@ def test_history_counts_starts_that_did_not_end_cleanly():
   assert h.interruptions == 2
   assert h.exposure_s == pytest.approx(100 + 20 + 30 + 10 + 5 + 2)
   assert h.delta_s == 0.5  # the last measured δ; a guess (delta_measured False) is not carried
+  # The upload's plan (`tier: remote`, after the local one) is not the local save's cost.
+  upload = ev('cadence', 8001, delta_s=5.0, delta_measured=True, tier='remote')
+  assert read_history(events[:-1] + [upload, events[-1]]).delta_s == 0.5
   assert read_history([]).interruptions == 0 and read_history([]).delta_s is None
 
 

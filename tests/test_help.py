@@ -144,8 +144,9 @@ def test_auto_only_flags_without_auto_say_so():
   with pytest.raises(UsageError) as e:
     trainer_flags.check_auto_only(values, config)
   assert e.value.code == 'E-USAGE-006' and '--checkpoint_every=auto' in e.value.line()
-  config.checkpoint.every = 'auto'
-  trainer_flags.check_auto_only(values, config)  # with auto: what the flag is for
+  for auto in ('auto', 'Auto', ' AUTO'):  # as `parse_every` reads it, the run's cadence is auto
+    config.checkpoint.every = auto
+    trainer_flags.check_auto_only(values, config)  # with auto: what the flag is for
 
 
 def test_a_continuation_that_changes_the_schedule_is_warned_about(tmp_path, caplog):

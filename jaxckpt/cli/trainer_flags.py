@@ -269,7 +269,7 @@ def check_auto_only(flag_values, config) -> None:
   not a value that is silently ignored."""
   given = [f'--{name}' for name in AUTO_ONLY if flag_values[name].present]
   every = config.checkpoint.every
-  if given and every != 'auto':
+  if given and not (isinstance(every, str) and every.strip().lower() == 'auto'):  # `parse_every`
     from jaxckpt.train.config import cadence_options  # pylint: disable=import-outside-toplevel
     cadence_options(config)  # a bad value is the first thing to fix
     names = ' and '.join(given)

@@ -143,20 +143,18 @@ def reconcile(state: Mapping[str, Any], arms: Sequence[str],
   old = list(state['arms'])
   dropped = [a for a in old if a not in arms]
   added = [a for a in arms if a not in old]
-  if not dropped and not added:
+  if old == list(arms):
     return dict(state), [], [], False
-  keep = [old.index(a) for a in old if a in arms]
+  # Laid out in the order of `arms` (the dataset's sources, whose positions `choose` returns):
+  # in the saved order with new arms last, a new source sorting before the others would shift
+  # every weight, floor and count onto another source.
+  kept = [a for a in arms if a in old]
+  mean = float(np.mean([state['log_weights'][old.index(a)] for a in kept])) if kept else 0.0
   out = {k: state[k] for k in ('phase', 'phase_steps')}
-  for key in ('log_weights', 'pulls', 'ema_reward', 'ema_loss'):
-    out[key] = [state[key][i] for i in keep]
-  out['arms'] = [old[i] for i in keep]
-  mean = float(np.mean(out['log_weights'])) if keep else 0.0
-  for a in added:
-    out['arms'].append(a)
-    for key, value in (('log_weights', mean), ('pulls', 0), ('ema_reward', None), ('ema_loss',
-                                                                                   None)):
-      out[key].append(value)
-  remap = {old.index(a): out['arms'].index(a) for a in out['arms'] if a in old}
+  for key, value in (('log_weights', mean), ('pulls', 0), ('ema_reward', None), ('ema_loss', None)):
+    out[key] = [state[key][old.index(a)] if a in old else value for a in arms]
+  out['arms'] = list(arms)
+  remap = {old.index(a): i for i, a in enumerate(arms) if a in old}
   out['pending'] = [[remap[a], l] for a, l in state['pending'] if a in remap]
   return out, dropped, added, False
 

@@ -92,9 +92,9 @@ def read_history(events: Iterable[Mapping[str, Any]]) -> History:
     if end is None or lost or (end['event'] == 'interrupted' and end.get('signal') not in DELIBERATE
                                and not any(e.get('event') == 'pivot' for e in segment)):
       interruptions += 1
-    delta = next((e['delta_s']
-                  for e in reversed(segment)
-                  if e.get('event') == 'cadence' and e.get('delta_measured')), delta)
+    delta = next((e['delta_s'] for e in reversed(segment) if e.get('event') == 'cadence'
+                  and e.get('delta_measured') and e.get('tier', 'local') == 'local'),
+                 delta)  # not an upload's (`--replicas`)
   return History(interruptions, exposure, delta)
 
 
