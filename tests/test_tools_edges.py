@@ -172,3 +172,12 @@ def test_evaluate_fails_when_some_checkpoints_could_not_be_evaluated(run, tmp_pa
         'jaxckpt: E-EVAL-006: 1 of 2 committed checkpoint(s) could not be evaluated (step 10)')
     assert list(json.loads((workdir / 'evaluated.json').read_text())) == ['20']
   assert 'step 20: heldout_loss' not in r.stdout
+
+
+@pytest.mark.parametrize('command', ['plot', 'pivot'])
+def test_an_empty_workdir_is_refused_not_the_current_directory(run, capsys, monkeypatch, command):
+  monkeypatch.chdir(run)  # `jaxckpt pivot --workdir=$RUN` with RUN unset, inside a run
+  before = sorted(os.listdir(run))
+  code, stdout, err = call_cli([command, '--workdir='], capsys)
+  assert code == 2 and not stdout and 'E-USAGE-001' in err and '--workdir is empty' in err
+  assert sorted(os.listdir(run)) == before  # nothing archived, nothing drawn

@@ -14,6 +14,8 @@ def main(argv: list[str]) -> int:
       'state of a stopped run; its next start is a new phase.')
   parser.add_argument('--workdir', required=True, help='the stopped run to pivot')
   args = parser.parse_args(argv)
+  if not args.workdir.strip():  # `--workdir=$RUN` with RUN unset: not the current directory
+    parser.error('--workdir is empty')
   phase, archived = pivot(args.workdir)
   print(f'pivoted {args.workdir} to phase {phase}; archived '
         f'{", ".join(archived) or "nothing"} to {ARCHIVE}/phase-{phase - 1}/. The next start '

@@ -22,5 +22,7 @@ def main(argv: list[str]) -> int:
       '.pdf, .svg, ...), a name without one gets .png, and a directory (or a name ending in /) '
       'gets loss.png in it')
   args = parser.parse_args(argv)
+  if not args.workdir.strip():  # `--workdir=$RUN` with RUN unset: not the current directory
+    parser.error('--workdir is empty')
   print(plot(args.workdir, args.out))  # the path written
   return 0
