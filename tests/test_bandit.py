@@ -97,3 +97,13 @@ def test_reconcile_lays_the_arms_out_in_the_sources_order():
   # The same sources in another order: each keeps its own values.
   swapped, _, _, _ = bandit.reconcile(saved, ['web', 'main'], phase=0)
   assert swapped['pulls'] == [saved['pulls'][1], saved['pulls'][0]]
+
+
+@pytest.mark.parametrize('field, value',
+                         [('eta', float('nan')), ('eta', -5.0), ('eta', float('inf')),
+                          ('ema', float('nan')), ('ema', 3.0), ('ema', 1.0)])
+def test_a_learning_rate_or_smoothing_that_breaks_the_floors_is_a_config_error(field, value):
+  # eta=nan used to turn every probability into NaN: a 5% floor got 1.4% of the draws.
+  with pytest.raises(ConfigError, match='E-CONFIG-005: bandit.eta=.*bandit.ema='):
+    bandit.validate(cfg(**{field: value}), ['a', 'b'])
+  bandit.validate(cfg(eta=0.0, ema=0.0), ['a', 'b'])  # off, and no smoothing: fine

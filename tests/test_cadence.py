@@ -154,6 +154,19 @@ def test_history_counts_starts_that_did_not_end_cleanly():
   # The upload's plan (`tier: remote`, after the local one) is not the local save's cost.
   upload = ev('cadence', 8001, delta_s=5.0, delta_measured=True, tier='remote')
   assert read_history(events[:-1] + [upload, events[-1]]).delta_s == 0.5
+  # Rows are not trusted: a time or a cost that is no finite number is passed over, not a
+  # traceback (a string time) or a cadence poisoned for good (a NaN cost).
+  odd = [
+      ev('started', 'yesterday'),
+      ev('checkpoint', 10),
+      ev('started', None),
+      ev('cadence', 5, delta_s=float('nan'), delta_measured=True),
+      ev('cadence', 6, delta_s='2', delta_measured=True),
+      ev('interrupted', 9, signal='SIGTERM')
+  ]
+  h = read_history(events + odd)
+  assert h.delta_s == 0.5 and h.exposure_s == pytest.approx(100 + 20 + 30 + 10 + 5 + 2)
+  assert h.interruptions == 4
   assert read_history([]).interruptions == 0 and read_history([]).delta_s is None
 
 

@@ -87,15 +87,27 @@ def read_history(events: Iterable[Mapping[str, Any]]) -> History:
   for segment in segments:
     end = next((e for e in segment if e.get('event') in ENDS), None)
     last = end or [e for e in segment if e.get('event') not in BETWEEN][-1]
-    exposure += max(0.0, float(last.get('time', 0.0)) - float(segment[0].get('time', 0.0)))
+    # Rows are read, not trusted: a time that is no finite number adds no running time.
+    began, ended = _number(segment[0].get('time')), _number(last.get('time'))
+    if began is not None and ended is not None:
+      exposure += max(0.0, ended - began)
     lost = end is not None and end['event'] == 'failed' and bool(end.get('lost_process'))
     if end is None or lost or (end['event'] == 'interrupted' and end.get('signal') not in DELIBERATE
                                and not any(e.get('event') == 'pivot' for e in segment)):
       interruptions += 1
-    delta = next((e['delta_s'] for e in reversed(segment) if e.get('event') == 'cadence'
-                  and e.get('delta_measured') and e.get('tier', 'local') == 'local'),
-                 delta)  # not an upload's (`--replicas`)
+    delta = next((_number(e.get('delta_s'))
+                  for e in reversed(segment)
+                  if e.get('event') == 'cadence' and e.get('delta_measured')
+                  and e.get('tier', 'local') == 'local' and _number(e.get('delta_s')) is not None),
+                 delta)  # not an upload's (`--replicas`); a cost that is no number: passed over
   return History(interruptions, exposure, delta)
+
+
+def _number(value: Any) -> float | None:
+  """`value` as a finite number of 0 or more (a time, a cost); None when it is not one."""
+  if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf:
+    return float(value)
+  return None
 
 
 def tree_nbytes(tree) -> int:
