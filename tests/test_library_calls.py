@@ -52,8 +52,7 @@ def test_a_deleted_array_is_refused_not_a_crash(tmp_path, mode):
   assert _nothing_written(tmp_path)
 
 
-@pytest.mark.parametrize(
-    'leaf', [True, 3, 2.5, 'text'], ids=['bool', 'int', 'float', 'str'])
+@pytest.mark.parametrize('leaf', [True, 3, 2.5, 'text'], ids=['bool', 'int', 'float', 'str'])
 def test_a_leaf_that_is_not_an_array_is_named(tmp_path, leaf):
   with CheckpointManager(tmp_path, CheckpointOptions(mode='sync')) as mgr:
     with pytest.raises(ArgumentError, match="E-CKPT-021: leaf 'n' is a .*, not an array"):
@@ -128,3 +127,21 @@ def test_the_body_s_error_is_the_one_a_with_block_raises(tmp_path):
       raise KeyError('from the loop')
   assert any('E-CKPT-009' in note for note in raised.value.__notes__)
   assert layout.committed_steps(tmp_path).keys() == {1}  # committed before its callback
+
+
+@pytest.mark.parametrize('replicas', [1, 7])
+def test_replicas_one_process_cannot_hold_are_refused_not_ignored(tmp_path, replicas):
+  # It used to save process 0's part alone, without a word: no copy anywhere.
+  with pytest.raises(
+      ArgumentError, match=f'E-CONFIG-010: replicas={replicas} needs several '
+      'processes'):
+    CheckpointManager(tmp_path, CheckpointOptions(replicas=replicas))
+  assert not (tmp_path / '.jaxckpt-writer').exists()
+  CheckpointManager(tmp_path, CheckpointOptions(replicas=replicas), writer=False)  # a reader
+
+
+def test_replicas_with_orbax_files_are_refused():
+  from jaxckpt.checkpoint import replicas
+  with pytest.raises(ArgumentError, match="E-CONFIG-010: replicas=1 with storage='orbax'"):
+    replicas.check(1, 3, False, 'orbax')
+  replicas.check(1, 3, False, 'safetensors')

@@ -92,10 +92,11 @@ class CheckpointManager:
         self.removed_debris = layout.remove_debris(self.directory)
 
       if self._group is None:
+        replicas.check(self.options.replicas, 1, False)  # never a silent replicas=N
         tidy()
       else:  # nobody writes before the debris is gone
         replicas.check(self.options.replicas, self._group.count,
-                       self._group.open(self.directory, tidy))
+                       self._group.open(self.directory, tidy), self._storage())
       steps = list(layout.committed_steps(self.directory))
       self._last_save_step = steps[-1] if steps else -1
 

@@ -49,10 +49,15 @@ def holders(index: int, count: int, replicas: int) -> list[int]:
   return [(index + r) % count for r in range(1, replicas + 1)]
 
 
-def check(replicas: int, count: int, shared: bool) -> None:
-  """E-CONFIG-010 for a replica count this job cannot hold."""
+def check(replicas: int, count: int, shared: bool, storage: str = 'safetensors') -> None:
+  """E-CONFIG-010 for a replica count this job cannot hold (one process, a shared directory,
+  as many as the processes, or orbax's files, which hold no parts to copy)."""
   if replicas <= 0:
     return
+  if storage != 'safetensors':
+    raise ArgumentError(
+        'E-CONFIG-010', f'replicas={replicas} with storage={storage!r}: only '
+        'safetensors parts are copied to peers', "use storage='safetensors'")
   if shared or count < 2:
     raise ArgumentError(
         'E-CONFIG-010', f'replicas={replicas} needs several processes, each with its own disk '
