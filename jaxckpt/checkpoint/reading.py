@@ -102,9 +102,10 @@ def read_run_state(step_dir: Path) -> dict[str, Any]:
 
 
 def removed(step_dir: Path) -> bool:
-  """Whether `step_dir` is no longer a committed checkpoint: its manifest is gone, or the whole
-  directory (retention renames it aside, then deletes it)."""
-  return not (step_dir / layout.MANIFEST).is_file()
+  """Whether `step_dir` is gone: retention (and `jaxckpt delete`) renames a checkpoint to
+  `.deleting-*` before it deletes it. A directory still there without its manifest is not
+  removed but damaged, or never committed: its own error stands."""
+  return not step_dir.is_dir()
 
 
 def _removed(step_dir: Path) -> ArgumentError:
