@@ -13,10 +13,10 @@ import json
 from typing import Any, Mapping
 
 import jax
-import numpy as np
 
 from . import manifest, shardtable
 from .errors import ArgumentError, CheckpointError
+from .options import whole
 
 # The manifest's fields the library writes (`manifest.build`, the manager's `_write`,
 # `jobcommit.listing`, the seal): never the caller's metadata.
@@ -28,8 +28,7 @@ RESERVED = frozenset({
 
 def step(value: Any) -> int:
   """`value` as a step: an int (a numpy integer too; not a bool) of 0 or more."""
-  if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) \
-      and value >= 0:
+  if whole(value) and value >= 0:
     return int(value)
   raise ArgumentError('E-CKPT-021', f'step {value!r} ({type(value).__name__}) is not a step '
                       'number', 'pass an int of 0 or more')

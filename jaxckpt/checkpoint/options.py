@@ -66,12 +66,12 @@ class CheckpointOptions:
                           f'{STAGINGS}', 'use auto, host or device')
     for field in COUNTS:
       value = getattr(self, field)
-      if not _whole(value) or value < 0:
+      if not whole(value) or value < 0:
         raise ArgumentError('E-CONFIG-004', f'checkpoint {field}={value!r} is not a whole number '
                             'of 0 or more', 'pass an int (0 turns it off)')
       object.__setattr__(self, field, int(value))  # numpy integers too: JSON and retention want int
     for field, least in (('every_secs', 'of 0 or more'), ('barrier_timeout_secs', 'above 0')):
-      value, secs = getattr(self, field), _seconds(getattr(self, field))
+      value, secs = getattr(self, field), finite(getattr(self, field))
       if secs is None or secs < 0 or (secs == 0 and field == 'barrier_timeout_secs'):
         raise ArgumentError(
             'E-CONFIG-004', f'checkpoint {field}={value!r} is not a finite number '
@@ -84,14 +84,14 @@ class CheckpointOptions:
 COUNTS = ('every_steps', 'keep', 'keep_every', 'keep_best', 'replicas')
 
 
-def _whole(value: Any) -> bool:
+def whole(value: Any) -> bool:
   """An int or a numpy integer, not a bool (True would be a keep of 1; numpy's bool is neither)."""
   return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _seconds(value: Any) -> float | None:
-  """`value` as a finite number of seconds (an int or float, numpy's too; not a bool); None when
-  it is not one (NaN, inf, a string, an int too large for a float)."""
+def finite(value: Any) -> float | None:
+  """`value` as a finite float (an int or float, numpy's too; not a bool); None when it is not
+  one (NaN, inf, a string, an int too large for a float)."""
   if not isinstance(value, numbers.Real) or isinstance(value, bool):
     return None
   try:

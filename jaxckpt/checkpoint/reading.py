@@ -38,9 +38,8 @@ def audit(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any],
   """E-CKPT-003 unless the checkpoint's files match its manifest, before a restore reads them.
   The state files' CRCs are checked while they are read (tensor by tensor when a subset is
   read, shard by shard across processes): one pass over the data, not two. Across processes, a
-  file holding none of this process's shards may be on another disk. A target leaf that is not
-  an array is refused first (`targets`); a checkpoint removed meanwhile is E-CKPT-010."""
-  want = targets(want)
+  file holding none of this process's shards may be on another disk. `want` is `targets`'s
+  answer; a checkpoint removed meanwhile is E-CKPT-010."""
   single = data_file(meta)
   read_later = [single] if single else multihost.state_files(meta) + [shardtable.SHARDS]
   _, problems = manifest.audit(
@@ -149,8 +148,8 @@ def read_arrays(step_dir: Path,
   `shards`: `shard_rows`'s answer; given, each process reads the byte ranges of its shards.
   `meanwhile` runs on this thread while the state file, or this process's byte ranges of the
   state files, are read on another (see the module's docstring); before the read from orbax.
-  A target leaf without a sharding lands on the default device (`targets`)."""
-  single, want = data_file(meta), targets(want)
+  `want` is `targets`'s answer: every leaf has its sharding."""
+  single = data_file(meta)
   if shards is not None:
     if meanwhile is None:
       return _unless_removed(step_dir,

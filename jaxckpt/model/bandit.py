@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from jaxckpt.checkpoint.options import finite
 from jaxckpt.errors import ConfigError
 
 
@@ -176,11 +177,7 @@ def validate(cfg, arms: Sequence[str]) -> None:
                       'in [0, 1]', 'fix the bandit config')
   # A NaN here turns every probability into NaN and the floors no longer hold.
   eta, ema = cfg.get('eta', 0.0), cfg.get('ema', 0.0)
-  if not (_real(eta) and 0 <= eta < math.inf and _real(ema) and 0 <= ema < 1):
+  if not (finite(eta) is not None and eta >= 0 and finite(ema) is not None and 0 <= ema < 1):
     raise ConfigError(
         'E-CONFIG-005', f'bandit.eta={eta!r} and bandit.ema={ema!r}: eta must be a finite number '
         '>= 0 and ema a number in [0, 1)', 'fix bandit.eta or bandit.ema (defaults: 0.05, 0.9)')
-
-
-def _real(x) -> bool:
-  return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -35,6 +35,7 @@ from typing import Any, Callable, Iterable, Mapping
 from absl import flags, logging
 
 from jaxckpt.checkpoint import ArgumentError, CheckpointError, CommitInfo, cadence
+from jaxckpt.checkpoint.options import finite
 from jaxckpt.records.runlog import RunLog, read_jsonl
 from jaxckpt.records.workdir import EVENTS
 
@@ -105,9 +106,8 @@ def read_history(events: Iterable[Mapping[str, Any]]) -> History:
 
 def _number(value: Any) -> float | None:
   """`value` as a finite number of 0 or more (a time, a cost); None when it is not one."""
-  if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf:
-    return float(value)
-  return None
+  number = finite(value)
+  return number if number is not None and number >= 0 else None
 
 
 def tree_nbytes(tree) -> int:
