@@ -61,9 +61,10 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
       n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[n]) for n, x in want.items()
   }
   remote = None
-  if rest:  # the remote tier: its newest intact checkpoint, `rest[1]`
+  if rest:  # the remote tier: its newest intact checkpoint, `rest[1]` ('none': it holds none)
     from jaxckpt.checkpoint.remote import Store, partial
-    remote = partial.peer_source(Store(rest[0]), int(rest[1]), inspect=process == 0)
+    newest = None if rest[1] == 'none' else int(rest[1])
+    remote = partial.peer_source(Store(rest[0]), newest, inspect=process == 0)
   from jaxckpt.checkpoint import CheckpointError, sends
   sends.WINDOW = 256  # each part in several windows, the last one short: a real part's path
   try:
@@ -150,12 +151,26 @@ def test_a_wiped_host_is_restored_from_its_peers_and_a_damaged_replica_is_passed
       (tmp_path / 'host0' / 'step_00000010' / 'manifest.json').read_bytes()
 
 
-def test_without_a_remote_two_wiped_neighbours_leave_nothing_whole(tmp_path, compile_cache,
-                                                                   saved_10):
+@pytest.mark.parametrize('tier', ['no remote', 'an empty remote'])
+def test_two_wiped_neighbours_without_a_remote_copy_stop_every_process_never_a_fresh_start(
+    tmp_path, compile_cache, s3_server, saved_10, tier):
   shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   shutil.rmtree(tmp_path / 'host1')
   shutil.rmtree(tmp_path / 'host2')  # process 1's part was on 1 and 2: no one holds it
-  assert _results(_run(tmp_path, compile_cache, 'restore')) == [None] * COUNT
+  remote = [] if tier == 'no remote' else [s3_server.bucket(), 'none']
+  for text in _run(tmp_path, compile_cache, 'restore', *remote, code=3):
+    assert 'E-RESUME-004: the 3 processes hold committed checkpoints (the newest, step 10, ' \
+        'on process(es) [0]) but none whole' in text, text[-2000:]
+  # Nothing was deleted: process 0's checkpoint is as it was.
+  assert sorted(p.name for p in _state(tmp_path, 0, 10).iterdir()) == \
+      ['process_0.safetensors', 'process_2.safetensors']
+
+
+def test_with_no_checkpoint_anywhere_every_process_starts_fresh(tmp_path, compile_cache, s3_server):
+  for k in range(COUNT):
+    (tmp_path / f'host{k}').mkdir()
+  outs = _run(tmp_path, compile_cache, 'restore', s3_server.bucket(), 'none')
+  assert _results(outs) == [None] * COUNT
 
 
 def test_the_remote_fills_in_the_part_no_peer_holds_each_byte_read_once(

@@ -132,7 +132,9 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
                 remote: Remote | None) -> Restored | None:
   """Brings this process's step directory of the newest checkpoint the job's processes (and
   the remote) hold between them to what its devices need for `target`; None on every process
-  when there is none (the caller then takes the remote's newest whole). Every process calls it."""
+  when there is none (the caller then takes the remote's newest whole). When processes hold
+  committed checkpoints, none whole between them, and the remote holds none, every process
+  raises E-RESUME-004 together: never a fresh start over them. Every process calls it."""
   what = 'a restore from the peers'
   tidy(ckpt_dir)
   posts = group.collect('peers/held', what, json.dumps(held(ckpt_dir)))
@@ -149,11 +151,18 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
           word = _next(ckpt_dir, views, remote, tried)
         except CheckpointError as e:  # said; None for everyone (the caller's fallback)
           _log.warning('step %d: its own files from the remote: %s', remote.step, e.what)
+      if word is None and (remote is None or remote.step is None):
+        word = _stranded(views)  # never a fresh start over committed checkpoints
       group.announce(f'peers/try/{round_}', json.dumps(word))
     else:
       word = json.loads(group.await_word(f'peers/try/{round_}', what))
     if word is None:
       return None
+    if 'stranded' in word:  # every process raises it together
+      raise CheckpointError(
+          'E-RESUME-004', word['stranded'], 'bring back the disks that held the missing parts '
+          '(or their files) and start every process again; to start over instead, move these '
+          'checkpoints away: nothing was deleted')
     step, seal = word['step'], word['seal']
     if word.get('conflict'):
       raise CheckpointError(
@@ -201,6 +210,24 @@ def _next(ckpt_dir: Path, views: list[dict], remote: Remote | None,
     if on_remote or set(parts) <= held_by:
       return {'step': step, 'seal': seal, **_conflict(views, key, seal, parts)}
   return None
+
+
+def _stranded(views: list[dict]) -> dict[str, str] | None:
+  """Process 0, when nothing is whole between the processes and no remote checkpoint fills
+  in: {'stranded': what} when some process holds a committed checkpoint all the same (a fresh
+  start would train over it); None when none does (a fresh start)."""
+  holders: dict[int, list[int]] = {}
+  for k, view in enumerate(views):
+    for key in view:
+      holders.setdefault(int(key), []).append(k)
+  if not holders:
+    return None
+  newest = max(holders)
+  return {
+      'stranded': f'the {len(views)} processes hold committed checkpoints (the newest, step '
+                  f'{newest}, on process(es) {holders[newest]}) but none whole and intact '
+                  'between them, and no remote checkpoint fills in the parts no process holds'
+  }
 
 
 def _conflict(views: list[dict], key: str, seal: str, parts: list[str]) -> dict[str, Any]:

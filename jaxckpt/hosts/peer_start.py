@@ -26,7 +26,7 @@ from absl import logging
 
 from jaxckpt.checkpoint import CheckpointError, multihost, peers
 from jaxckpt.checkpoint.remote import partial
-from jaxckpt.errors import UsageError
+from jaxckpt.errors import ResumeError, UsageError
 from jaxckpt.hosts import remote_start
 
 
@@ -73,8 +73,10 @@ def resume_point(run, ckpt_dir: Path, target: Any, timeout_secs: float) -> Path 
   try:
     got = peers.restore_dir(ckpt_dir, target, group, remote)
   except CheckpointError as e:
-    if e.code != 'E-CKPT-016':
-      raise
+    if e.code == 'E-RESUME-004':  # the hosts' checkpoints, none whole: never a fresh start
+      raise ResumeError(e.code, e.what, e.fix) from None
+    if e.code != 'E-CKPT-016' or run.start_step is None:
+      raise  # with nothing in the remote to fall back to, the hosts' checkpoints stay theirs
     logging.warning("%s; every host downloads the remote's newest intact checkpoint", e.line())
     got = None  # every process raised it together: they fall back together
   if got is None:  # nothing whole between the peers and the remote's parts: its newest, whole,
