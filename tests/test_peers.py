@@ -25,15 +25,22 @@ SPECS = {  # name: (shape, dtype, partition spec over ('data',))
     'opt/count': ((), 'int32', ()),
 }
 
+# Every array split over the processes: each process's devices need its own part alone.
+SPLIT = {n: v for n, v in SPECS.items() if v[2]}
 
-def expected() -> dict[str, np.ndarray]:
+
+def expected(specs=SPECS) -> dict[str, np.ndarray]:
   rng = np.random.default_rng(7)
-  return {n: (rng.standard_normal(s) * 100).astype(d) for n, (s, d, _) in SPECS.items()}
+  return {n: (rng.standard_normal(s) * 100).astype(d) for n, (s, d, _) in specs.items()}
 
 
 def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   """`save STEP...` (replicas=1), or `restore` (the peer tier brings this process's directory to
-  what it needs; then every shard is checked and the sources printed as JSON)."""
+  what it needs; then every shard is checked and the sources printed as JSON). `-split`: the
+  arrays of `SPLIT` alone; `-slow`: process 1's reads of the remote take 12 s, and the restore's
+  group waits 6 s."""
+  specs = SPLIT if '-split' in cmd else SPECS
+  slow, cmd = '-slow' in cmd, cmd.split('-')[0]
   import jax
   jax.config.update('jax_num_cpu_devices', 1)
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
@@ -43,8 +50,8 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
 
   from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, multihost, peers
   mesh = Mesh(np.asarray(jax.devices()), ('data',))
-  want = expected()
-  shardings = {n: NamedSharding(mesh, P(*spec)) for n, (_, _, spec) in SPECS.items()}
+  want = expected(specs)
+  shardings = {n: NamedSharding(mesh, P(*spec)) for n, (_, _, spec) in specs.items()}
   directory = Path(root) / f'host{process}'
   if cmd == 'save':
     with CheckpointManager(directory,
@@ -67,8 +74,16 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
     remote = partial.peer_source(Store(rest[0]), newest, inspect=process == 0)
   from jaxckpt.checkpoint import CheckpointError, sends
   sends.WINDOW = 256  # each part in several windows, the last one short: a real part's path
+  timeout = 60
+  if slow:  # a remote far slower than the group's timeout, for a part only its reader needs
+    import time
+    peers.FETCH_FLOOR = 8  # bytes/s: the others wait 6 s + about a minute for a ~500-byte part
+    timeout, fetch = 6, remote.fetch
+    if process == 1:
+      remote.fetch = lambda *a: (time.sleep(12), fetch(*a))[1]
+    multihost.Group(60).sync('ready', 'every process ready')  # none late from start-up
   try:
-    got = peers.restore_dir(directory, target, multihost.Group(60), remote)
+    got = peers.restore_dir(directory, target, multihost.Group(timeout), remote)
   except CheckpointError as e:
     print(f'ERROR {e}', flush=True)
     sys.exit(3)
@@ -219,6 +234,26 @@ def test_with_every_disk_wiped_each_process_reads_its_own_part_from_the_remote(
         (whole / 'manifest.json').read_bytes()
     assert (_state(tmp_path, k, 10) / f'process_{k}.safetensors').read_bytes() == \
         (whole / 'state' / f'process_{k}.safetensors').read_bytes()
+
+
+def test_the_others_wait_for_a_slow_read_of_the_remote_past_the_groups_timeout(
+    tmp_path, compile_cache, s3_server):
+  """Every disk wiped, every array split: each process reads its own part from the remote and
+  needs no other, so no collective holds the others while process 1's read takes twice the
+  group's timeout; they wait for it, sized by the bytes it reads, and every restore completes."""
+  from jaxckpt.checkpoint.remote import Store, objects
+  _run(tmp_path, compile_cache, 'save-split', '10')
+  whole = tmp_path / 'whole' / 'step_00000010'  # what the 3 hosts' uploaders put there
+  shutil.copytree(tmp_path / 'host0' / 'step_00000010', whole)
+  for k in (1, 2):
+    shutil.copy(_state(tmp_path, k, 10) / f'process_{k}.safetensors', whole / 'state')
+  url = s3_server.bucket()
+  objects.upload(Store(url), whole, {}, may_write=lambda _: None, may_delete=lambda _: None)
+  for k in range(COUNT):
+    shutil.rmtree(tmp_path / f'host{k}')
+  results = _results(_run(tmp_path, compile_cache, 'restore-split-slow', url, '10'))
+  sizes = [(whole / 'state' / f'process_{k}.safetensors').stat().st_size for k in range(COUNT)]
+  assert [(r['step'], r['remote'], r['peers']) for r in results] == [(10, n, 0) for n in sizes]
 
 
 def test_a_host_that_cannot_write_what_it_is_sent_stops_every_process_together(

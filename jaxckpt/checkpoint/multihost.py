@@ -121,28 +121,37 @@ class Group:
     """The name every process writes its part under: the same on all, from the step alone."""
     return root / f'{layout.step_dirname(step)}.tmp-{step:012x}'
 
-  def sync(self, name: str, what: str, payload: str = '') -> list[str]:
+  def sync(self, name: str, what: str, payload: str = '', **kw: Any) -> list[str]:
     """Post `payload`, wait until every process has posted its own, and return them all (in
     process order). E-DIST-002 names the processes that did not arrive within the timeout.
-    Every process reads every payload: for small ones, or where each needs them all."""
-    return self.collect(name, what, payload, everyone=True)
+    Every process reads every payload: for small ones, or where each needs them all. `kw`:
+    `collect`'s `timeout_secs` and `fix`."""
+    return self.collect(name, what, payload, everyone=True, **kw)
 
-  def collect(self, name: str, what: str, payload: str, *, everyone: bool = False):
+  def collect(self,
+              name: str,
+              what: str,
+              payload: str,
+              *,
+              everyone: bool = False,
+              timeout_secs: float | None = None,
+              fix: str = 'they stopped, were lost or are far behind; nothing was committed'):
     """Post `payload` and wait until every process has posted its own: process 0 (every process
     when `everyone`) gets them all, in process order; the others None, having read nothing but
     the barrier's answer (their cost stays flat in the process count). E-DIST-002, on every
-    process, names the processes that did not arrive within the timeout."""
+    process, names the processes that did not arrive within the timeout (the group's, or
+    `timeout_secs` for a wait sized by the work before it), and `fix`."""
+    timeout_secs = self.timeout_secs if timeout_secs is None else timeout_secs
     self._client.key_value_set(
         f'{self.prefix}/{name}/part/{self.index}', payload, allow_overwrite=True)
     self._client.key_value_set(f'{self.prefix}/{name}/here/{self.index}', '', allow_overwrite=True)
     try:
-      self._client.wait_at_barrier(f'{self.prefix}/{name}', int(self.timeout_secs * 1000))
+      self._client.wait_at_barrier(f'{self.prefix}/{name}', int(timeout_secs * 1000))
     except Exception as e:  # pylint: disable=broad-except  # the runtime's own error types
       late = sorted(set(range(self.count)) - set(self._posted(name, 'here')))
       raise CheckpointError(
           'E-DIST-002', f'{what}: process(es) {late or "?"} of {self.count} did not arrive '
-          f'within {self.timeout_secs:g} s ({" ".join(str(e).split())[:160]})',
-          'they stopped, were lost or are far behind; nothing was committed') from None
+          f'within {timeout_secs:g} s ({" ".join(str(e).split())[:160]})', fix) from None
     if not (everyone or self.leader):
       return None
     return [v for _, v in sorted(self._posted(name, 'part').items())]

@@ -27,8 +27,10 @@ still hold the bytes between them:
    process that held nothing of the checkpoint gets its manifest last (the commit marker).
 
 Each process then restores from its own step directory as from any other, reading only the byte
-ranges its devices need. The `Group` waits are bounded by its timeout; the collectives are not
-(a process lost in the middle of one is seen by the job's own heartbeats).
+ranges its devices need. The `Group` waits are bounded by its timeout, and every process waits
+at one before the collectives (the one before the sends also for the slowest read of the
+remote, at `FETCH_FLOOR`), so a process that never comes is named; a process lost in the middle
+of a collective, which has no timeout, is seen by the job's own heartbeats.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ from .formats import SAFETENSORS, data_file
 from .tree import named_leaves
 
 SMALL = 64 << 10  # the window of small files (a manifest, the run state)
+# Bytes/s: the slowest read of the remote that the other processes wait for, beyond the group's
+# timeout (a read that stops moving is the store's own error long before).
+FETCH_FLOOR = 10e6
+AGAIN = 'a process stopped or was lost: start every process again (each part is checked again)'
 META = (layout.RUN_STATE, shardtable.SHARDS, layout.MANIFEST)  # a checkpoint's own files besides
 # its state (shards.json where the manifest lists it), sent in this order: the manifest last
 
@@ -137,7 +143,7 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
   raises E-RESUME-004 together: never a fresh start over them. Every process calls it."""
   what = 'a restore from the peers'
   tidy(ckpt_dir)
-  posts = group.collect('peers/held', what, json.dumps(held(ckpt_dir)))
+  posts = group.collect('peers/held', what, json.dumps(held(ckpt_dir)), fix=AGAIN)
   views = [json.loads(p) for p in posts] if group.leader else []
   tried: set[tuple[int, str]] = set()
   for round_ in range(8):  # each round passes one checkpoint over, or a damaged part
@@ -171,7 +177,7 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
           "every host's copy of a checkpoint must be one commit: move the other one away "
           "(another run's workdir?), then start every process again")
     mine = _intact(ckpt_dir, step, seal)
-    intact = group.collect(f'peers/intact/{round_}', what, json.dumps(mine))
+    intact = group.collect(f'peers/intact/{round_}', what, json.dumps(mine), fix=AGAIN)
     if group.leader:
       try:
         plan = _plan(ckpt_dir, step, [json.loads(v) for v in intact], target, group.count, remote)
@@ -329,8 +335,15 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
       problems.append(f'{type(e).__name__}: {" ".join(str(e).split())[:300]}')
       return None
 
+  def gate(name: str, what: str, timeout_secs: float | None = None) -> None:
+    """Every process here before the collectives that follow: a bounded wait, naming who is
+    not, where a collective has no timeout of its own."""
+    group.collect(f'peers/{name}/{step}', what, '', timeout_secs=timeout_secs, fix=AGAIN)
+
   local(lambda: (work / layout.STATE_DIR).mkdir(parents=True, exist_ok=True))
   raw = b''
+  if plan['meta_to']:
+    gate('meta', f"step {step}'s own files, sent by process 0")
   for name in plan['meta'] if plan['meta_to'] else ():  # the manifest last
     got, problem = _broadcast(final / name if me == 0 else None, plan['meta'][name], me
                               in plan['meta_to'])
@@ -347,6 +360,15 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
     pairs += [(rel, source, k) for k in receivers if k != source]
   if reads:
     sources['remote'] = local(lambda: remote.fetch(step, reads, work, plan['files'])) or 0
+  load: dict[int, int] = {}  # the bytes each process reads from the remote, which the rest wait for
+  for rel, source, receivers in plan['moves']:
+    if source == -1:
+      load[receivers[0]] = load.get(receivers[0], 0) + plan['files'][rel]['size']
+  gate(
+      'sends', f'the sends of step {step}' + (f' after process(es) {sorted(load)} read '
+                                              f'{sum(load.values()) / 1e6:.1f} MB of it from the '
+                                              'remote' if load else ''),
+      group.timeout_secs + max(load.values(), default=0) / FETCH_FLOOR)
   got, problem = sends.carry(pairs, plan['files'], me, lambda rel: layout.safe_member(work, rel))
   sources['peers'] = got
   problems += [problem] if problem else []
@@ -355,8 +377,11 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
     local(lambda: _commit(work, final, raw, plan['seal'], step))
   else:
     local(lambda: atomic.fsync_dir(final / layout.STATE_DIR))
-  said = group.sync(f'peers/done/{step}', f'a restore of step {step} from the peers',
-                    problems[0] if problems else '')
+  said = group.sync(
+      f'peers/done/{step}',
+      f'a restore of step {step} from the peers',
+      problems[0] if problems else '',
+      fix=AGAIN)
   failed = [(k, p) for k, p in enumerate(said) if p]
   if failed:
     if not have:
