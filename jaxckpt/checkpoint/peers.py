@@ -23,7 +23,7 @@ still hold the bytes between them:
    permute in windows (`sends`: NCCL, ICI, gloo on CPU), never a transport of this package's
    own; disk reads and writes overlap the collective. Each part received is CRC-checked against
    the manifest, fsynced and renamed into the step directory; the small files go by
-   `multihost_utils.broadcast_one_to_all`, and a
+   `sends.broadcast` (`multihost_utils.broadcast_one_to_all`), and a
    process that held nothing of the checkpoint gets its manifest last (the commit marker).
 
 Each process then restores from its own step directory as from any other, reading only the byte
@@ -41,14 +41,12 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import numpy as np
 
 from . import abandoned, atomic, layout, manifest, multihost, sends, shardtable
 from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file
 from .tree import named_leaves
 
-SMALL = 64 << 10  # the window of small files (a manifest, the run state)
 # Bytes/s: the slowest read of the remote that the other processes wait for, beyond the group's
 # timeout (a read that stops moving is the store's own error long before).
 FETCH_FLOOR = 10e6
@@ -345,8 +343,8 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   if plan['meta_to']:
     gate('meta', f"step {step}'s own files, sent by process 0")
   for name in plan['meta'] if plan['meta_to'] else ():  # the manifest last
-    got, problem = _broadcast(final / name if me == 0 else None, plan['meta'][name], me
-                              in plan['meta_to'])
+    got, problem = sends.broadcast(final / name if me == 0 else None, plan['meta'][name], me
+                                   in plan['meta_to'])
     problems += [problem] if problem else []
     if name == layout.MANIFEST:
       raw = got or b''
@@ -422,32 +420,6 @@ def _read(path: Path) -> bytes:
     return path.read_bytes()
   except OSError:
     return b''
-
-
-def _broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | None, str | None]:
-  """A small file from the process that reads it from `source` to every process (a JAX
-  collective, in windows): (its bytes for a receiver, else None; this process's problem or
-  None). A source that cannot read sends zeros to the end (the others' CRC checks fail) and says
-  why. Every process calls it with the same `size`."""
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  window = SMALL if size <= SMALL else sends.WINDOW
-  got, problem = [], None
-  try:
-    fin = open(source, 'rb') if source is not None else None  # pylint: disable=consider-using-with
-  except OSError as e:
-    fin, problem = None, f'{source}: {e.strerror or e}'
-  try:
-    for lo in range(0, size, window):
-      n = min(window, size - lo)
-      buf = np.zeros(window, np.uint8)
-      if fin is not None and problem is None and fin.readinto(memoryview(buf)[:n]) != n:
-        problem = f'{source} ends early'
-      out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=source is not None))
-      got.append(out[:n].tobytes())
-  finally:
-    if fin is not None:
-      fin.close()
-  return (b''.join(got) if receive else None), problem
 
 
 __all__ = ['META', 'Remote', 'Restored', 'held', 'restore_dir']

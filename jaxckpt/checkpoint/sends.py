@@ -6,6 +6,7 @@ pairs move at once, window by window, in one XLA collective permute (`jax.lax.pp
 `shard_map` over one device of each process: NCCL or ICI on accelerators, gloo on CPU). Each
 window's read from disk overlaps the collective before it, and its write (with the CRC-32) the
 one after it. A received file is checked against its manifest entry, fsynced and renamed in.
+A small file goes from one process to all (`broadcast`) with `broadcast_one_to_all`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .errors import CheckpointError
 # The likely reason: below glibc's largest mmap threshold (32 MiB) the runtime's buffers come
 # back from the heap instead of each being a fresh mapping whose every page faults in.
 WINDOW = 8 << 20
+SMALL = 64 << 10  # the window of small files (a manifest, the run state)
 Pair = tuple[str, int, int]  # (file, the process that sends it, the process that receives it)
 
 
@@ -186,4 +188,30 @@ def _round(perm, size: int, source: tuple[Path, int] | None,
   return None
 
 
-__all__ = ['WINDOW', 'carry', 'rounds']
+def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | None, str | None]:
+  """A small file from the process that reads it from `source` to every process (a JAX
+  collective, in windows): (its bytes for a receiver, else None; this process's problem or
+  None). A source that cannot read sends zeros to the end (the others' CRC checks fail) and says
+  why. Every process calls it with the same `size`."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  window = SMALL if size <= SMALL else WINDOW
+  got, problem = [], None
+  try:
+    fin = open(source, 'rb') if source is not None else None  # pylint: disable=consider-using-with
+  except OSError as e:
+    fin, problem = None, f'{source}: {e.strerror or e}'
+  try:
+    for lo in range(0, size, window):
+      n = min(window, size - lo)
+      buf = np.zeros(window, np.uint8)
+      if fin is not None and problem is None and fin.readinto(memoryview(buf)[:n]) != n:
+        problem = f'{source} ends early'
+      out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=source is not None))
+      got.append(out[:n].tobytes())
+  finally:
+    if fin is not None:
+      fin.close()
+  return (b''.join(got) if receive else None), problem
+
+
+__all__ = ['SMALL', 'WINDOW', 'broadcast', 'carry', 'rounds']
