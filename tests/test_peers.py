@@ -38,9 +38,8 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   """`save STEP...` (replicas=1), or `restore` (the peer tier brings this process's directory to
   what it needs; then every shard is checked and the sources printed as JSON). `-split`: the
   arrays of `SPLIT` alone; `-slow`: process 1's reads of the remote take 12 s, and the restore's
-  group waits 6 s."""
-  specs = SPLIT if '-split' in cmd else SPECS
-  slow, cmd = '-slow' in cmd, cmd.split('-')[0]
+  group waits 6 s; `-cut`: process 0's shard table is cut short as it sends it."""
+  specs, slow = SPLIT if '-split' in cmd else SPECS, '-slow' in cmd
   import jax
   jax.config.update('jax_num_cpu_devices', 1)
   jax.config.update('jax_cpu_collectives_implementation', 'gloo')
@@ -53,7 +52,7 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   want = expected(specs)
   shardings = {n: NamedSharding(mesh, P(*spec)) for n, (_, _, spec) in specs.items()}
   directory = Path(root) / f'host{process}'
-  if cmd == 'save':
+  if cmd.startswith('save'):
     with CheckpointManager(directory,
                            CheckpointOptions(replicas=1, keep=0, barrier_timeout_secs=60)) as mgr:
       for step in map(int, rest):
@@ -82,6 +81,15 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
     if process == 1:
       remote.fetch = lambda *a: (time.sleep(12), fetch(*a))[1]
     multihost.Group(60).sync('ready', 'every process ready')  # none late from start-up
+  if '-cut' in cmd and process == 0:  # its disk fails while it sends the shard table
+    send = sends.broadcast
+
+    def broadcast(source, size, receive):
+      if source is not None and source.name == 'shards.json':
+        source.write_bytes(source.read_bytes()[:size // 2])
+      return send(source, size, receive)
+
+    sends.broadcast = broadcast
   try:
     got = peers.restore_dir(directory, target, multihost.Group(timeout), remote)
   except CheckpointError as e:
@@ -254,6 +262,29 @@ def test_the_others_wait_for_a_slow_read_of_the_remote_past_the_groups_timeout(
   results = _results(_run(tmp_path, compile_cache, 'restore-split-slow', url, '10'))
   sizes = [(whole / 'state' / f'process_{k}.safetensors').stat().st_size for k in range(COUNT)]
   assert [(r['step'], r['remote'], r['peers']) for r in results] == [(10, n, 0) for n in sizes]
+
+
+def test_a_run_state_damaged_on_process_0_is_sent_it_from_a_process_that_holds_it_intact(
+    tmp_path, compile_cache, saved_10):
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  run_state = tmp_path / 'host0' / 'step_00000010' / 'run_state.json'
+  intact = run_state.read_bytes()
+  run_state.write_bytes(intact.replace(b'10', b'11', 1))
+  assert [r['step'] for r in _results(_run(tmp_path, compile_cache, 'restore'))] == [10] * COUNT
+  assert run_state.read_bytes() == intact
+
+
+def test_a_file_process_0_fails_to_send_is_never_written_into_a_committed_step(
+    tmp_path, compile_cache, saved_10):
+  """Processes 1 and 2 hold step 10 but not its shard table, which only process 0's disk
+  holds; process 0's copy is cut short while it sends it: every process stops together, and
+  none is left with a bad shard table in its committed step."""
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  outs = _run(tmp_path, compile_cache, 'restore-cut', code=3)
+  for k in (1, 2):
+    assert not (tmp_path / f'host{k}' / 'step_00000010' / 'shards.json').exists()
+  for text in outs:
+    assert 'E-CKPT-016' in text and 'failed on process(es) [0, 1, 2]' in text, text[-2000:]
 
 
 def test_a_host_that_cannot_write_what_it_is_sent_stops_every_process_together(

@@ -41,8 +41,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-
-from . import abandoned, atomic, layout, manifest, multihost, sends, shardtable
+from . import abandoned, atomic, checksum, layout, manifest, multihost, sends, shardtable
 from .errors import CheckpointError
 from .formats import SAFETENSORS, data_file
 from .tree import named_leaves
@@ -266,14 +265,18 @@ def _intact(ckpt_dir: Path, step: int, seal: str) -> list[str]:
 
 def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count: int,
           remote: Remote | None) -> dict[str, Any] | None:
-  """Process 0: who sends which part to whom ({'step', 'seal', 'files', 'meta_to', 'moves',
-  'needs'}); None when a part is held by no process and not by the remote."""
+  """Process 0: who sends which part to whom ({'step', 'seal', 'files', 'moves', 'needs', and
+  the checkpoint's own files: 'meta' sizes, 'own' entries, 'from' whom, 'meta_to' whom}); None
+  when a part (or an own file) is held intact by no process and not by the remote."""
   path = ckpt_dir / layout.step_dirname(step)
   raw = (path / layout.MANIFEST).read_bytes()
   m = manifest.parse(path, raw)
   whole = _own_files(m)
-  if not set(whole) <= set(intact[0]):
-    return None  # process 0 sends the run state, the shard table and the manifest: sound ones
+  # Each of the checkpoint's own files is sent from a process that holds it intact (process 0
+  # first; only its disk holds the shard table), the manifest from process 0.
+  senders = {name: [k for k in range(count) if name in intact[k]] for name in whole}
+  if not all(senders.values()):
+    return None
   seal = manifest.seal_of(raw)
   on_remote = remote is not None and (remote.step, remote.seal) == (step, seal)
   needs = multihost.needed_files(
@@ -295,10 +298,11 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
     source = (own if own in holders else holders[0]) if holders else -1
     moves.append([rel, source, sorted(receivers, key=lambda k: (k != first, k))])
   files = {rel: m['files'][rel] for rel in _parts(m)}
-  meta = {name: (path / name).stat().st_size for name in whole + [layout.MANIFEST]}
+  meta = {name: m['files'][name]['size'] for name in whole}
   return {
-      'step': step, 'seal': seal, 'files': files, 'meta': meta, 'moves': moves,
-      'needs': [sorted(n) for n in needs],
+      'step': step, 'seal': seal, 'files': files, 'moves': moves,
+      'meta': {**meta, layout.MANIFEST: len(raw)}, 'own': {name: m['files'][name] for name in whole},
+      'from': {name: k[0] for name, k in senders.items()}, 'needs': [sorted(n) for n in needs],
       'meta_to': [k for k in range(count) if not set(whole) <= set(intact[k])]
   }
 
@@ -341,15 +345,15 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   local(lambda: (work / layout.STATE_DIR).mkdir(parents=True, exist_ok=True))
   raw = b''
   if plan['meta_to']:
-    gate('meta', f"step {step}'s own files, sent by process 0")
+    gate('meta', f"step {step}'s own files, sent to the processes without them")
   for name in plan['meta'] if plan['meta_to'] else ():  # the manifest last
-    got, problem = sends.broadcast(final / name if me == 0 else None, plan['meta'][name], me
-                                   in plan['meta_to'])
+    got, problem = sends.broadcast(final / name if me == plan['from'].get(name, 0) else None,
+                                   plan['meta'][name], me in plan['meta_to'])
     problems += [problem] if problem else []
     if name == layout.MANIFEST:
       raw = got or b''
-    elif got is not None:
-      local(lambda got=got, name=name: atomic.write_file_durably(work / name, got))
+    elif got is not None:  # checked against the manifest before it goes into a step directory
+      local(lambda got=got, name=name: _write_own(work / name, got, plan['own'][name], step))
   pairs, reads = [], []  # (part, from, to); a part no process holds is read from the remote
   for rel, source, receivers in plan['moves']:  # first, by the receiver named first
     if source == -1:
@@ -392,6 +396,17 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   return Restored(final, step, sources)
 
 
+def _write_own(path: Path, got: bytes, want: Mapping[str, Any], step: int) -> None:
+  """A checkpoint's own file as it was sent, written (atomically) only when its size and
+  CRC-32 are the manifest's: a step directory already committed here is never given a bad one."""
+  crc = f'{checksum.crc32(got):08x}'
+  if (len(got), crc) != (want['size'], want['crc32']):
+    raise CheckpointError(
+        'E-CKPT-003', f'{path.name} of step {step} as received: size {len(got)}, '
+        f'crc32 {crc}; its manifest says {want["size"]}, {want["crc32"]}', 'restart the job')
+  atomic.write_file_durably(path, got)
+
+
 def _commit(work: Path, final: Path, raw: bytes, seal: str, step: int) -> None:
   """A step directory built here (`work`) committed as `final`, its manifest (`raw`) last; where
   `final` is another commit of the step, swapped with it in one exchange, manifest included."""
@@ -402,8 +417,7 @@ def _commit(work: Path, final: Path, raw: bytes, seal: str, step: int) -> None:
   m = manifest.parse(work, raw)  # what came with it (the run state, the shard table) matches it
   bad = manifest.file_problems(work, {**m, 'files': {r: m['files'][r] for r in _own_files(m)}})
   if bad:
-    raise CheckpointError('E-CKPT-003', f'step {step} as received from process 0: {bad[0]}',
-                          'restart the job')
+    raise CheckpointError('E-CKPT-003', f'step {step} as received: {bad[0]}', 'restart the job')
   atomic.fsync_dir(work / layout.STATE_DIR)
   if final.exists():
     atomic.write_file_durably(work / layout.MANIFEST, raw)
