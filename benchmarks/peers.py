@@ -43,7 +43,7 @@ over the processes), each from that barrier until the state is on the process's 
 takes its first step only once its slowest process has restored. `move_s`/`restore_s` split the
 lost host's time into bringing the files to its disk (`restore_dir` or `download`) and
 `CheckpointManager.restore`; in the peer phase, `check_s` is the CRC check of the parts each
-process already holds (`peers._intact`, the largest over the processes) and `permute_s` the lost
+process already holds (`holdings.intact`, the largest over the processes) and `permute_s` the lost
 host's time in the collective calls (`sends._move`: device_put, the ppermute, the copy out; the
 benchmark wraps both to time them). Every shard restored is checked against the CRC-32 the save
 recorded. `job_ratio` is a remote row's `job_s` over the peer's, `lost_ratio` the same of
@@ -157,7 +157,7 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
 
   from jaxckpt.checkpoint import (CheckpointManager, CheckpointOptions, layout, manifest, multihost,
                                   shardtable)
-  from jaxckpt.checkpoint import peers, sends
+  from jaxckpt.checkpoint import holdings, peers, sends
   from jaxckpt.checkpoint.remote import Store, objects, partial
   from jaxckpt.checkpoint.tree import named_leaves
   root_dir = Path(root)
@@ -184,7 +184,7 @@ def worker(mode: str, process: int, count: int, coordinator: str, root: str, par
   }
   check, permute = [0.0, 0], [0.0, 0]
   if mode == 'peer':
-    _timed(peers, '_intact', check)
+    _timed(holdings, 'intact', check)
     _timed(sends, '_move', permute)
   multihost.client().wait_at_barrier(f'bench/peers/{mode}', int(timeout * 1000))
   start = time.perf_counter()

@@ -38,7 +38,8 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   """`save STEP...` (replicas=1), or `restore` (the peer tier brings this process's directory to
   what it needs; then every shard is checked and the sources printed as JSON). `-split`: the
   arrays of `SPLIT` alone; `-slow`: process 1's reads of the remote take 12 s, and the restore's
-  group waits 6 s; `-cut`: process 0's shard table is cut short as it sends it."""
+  group waits 6 s; `-cut`: process 0's shard table is cut short as it sends it; `-eio`: process
+  0's disk fails while it plans."""
   specs, slow = SPLIT if '-split' in cmd else SPECS, '-slow' in cmd
   import jax
   jax.config.update('jax_num_cpu_devices', 1)
@@ -90,6 +91,12 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
       return send(source, size, receive)
 
     sends.broadcast = broadcast
+  if '-eio' in cmd and process == 0:  # its disk fails while it plans the restore
+
+    def plan(*_):
+      raise OSError(5, 'Input/output error')
+
+    peers._plan = plan
   try:
     got = peers.restore_dir(directory, target, multihost.Group(timeout), remote)
   except CheckpointError as e:
@@ -287,6 +294,13 @@ def test_a_file_process_0_fails_to_send_is_never_written_into_a_committed_step(
     assert 'E-CKPT-016' in text and 'failed on process(es) [0, 1, 2]' in text, text[-2000:]
 
 
+def test_process_0_failing_to_plan_stops_every_process_at_once(tmp_path, compile_cache, saved_10):
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  for text in _run(tmp_path, compile_cache, 'restore-eio', code=3):
+    assert 'E-CKPT-016: process 0 could not decide a restore from the peers: OSError: ' \
+        '[Errno 5] Input/output error' in text, text[-2000:]
+
+
 def test_a_host_that_cannot_write_what_it_is_sent_stops_every_process_together(
     tmp_path, compile_cache, saved_10):
   import os
@@ -327,6 +341,22 @@ def test_a_restore_cut_short_leaves_nothing_half_received_for_the_next(tmp_path)
     path.write_bytes(b'half')
   assert sorted(peers.tidy(tmp_path)) == sorted(left)
   assert sorted(p for p in step_dir.rglob('*') if p.is_file()) == kept
+
+
+def test_what_a_process_posts_it_holds_is_checked_before_process_0_counts_it():
+  """A post is another process's word: an entry not of the shape `held` writes is left out
+  (that checkpoint counts as not held there), never a crash of process 0's decision."""
+  from jaxckpt.checkpoint import holdings
+  good = {'seal': 'ab12cd34', 'files': {'state/process_1.safetensors': 512}}
+  post = json.dumps({
+      '10': good, 'x': good, '20': {'seal': 5, 'files': {}}, '30': {'seal': 's', 'files': []},
+      '40': {'seal': 's', 'files': {'a': -1}}, '50': ['not', 'a', 'dict'], '²': good
+  })
+  assert holdings.view(1, post) == {'10': good}
+  for raw in ('', 'null', '[1, 2]', '{"10": 3}', '{' * 5000):
+    assert holdings.view(1, raw) == {}
+  assert holdings.names('["a", "b"]') == ['a', 'b']
+  assert holdings.names('["a", 3]') == holdings.names('{}') == holdings.names('nope') == []
 
 
 if __name__ == '__main__':

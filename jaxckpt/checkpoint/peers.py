@@ -41,30 +41,17 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import abandoned, atomic, checksum, layout, manifest, multihost, sends, shardtable
+from . import atomic, checksum, holdings, layout, manifest, multihost, sends, shardtable
+from .holdings import META, held, tidy
 from .errors import CheckpointError
-from .formats import SAFETENSORS, data_file
+from .formats import data_file
 from .tree import named_leaves
 
 # Bytes/s: the slowest read of the remote that the other processes wait for, beyond the group's
 # timeout (a read that stops moving is the store's own error long before).
 FETCH_FLOOR = 10e6
 AGAIN = 'a process stopped or was lost: start every process again (each part is checked again)'
-META = (layout.RUN_STATE, shardtable.SHARDS, layout.MANIFEST)  # a checkpoint's own files besides
-# its state (shards.json where the manifest lists it), sent in this order: the manifest last
-
 _log = logging.getLogger(__name__)
-
-
-def _parts(m: Mapping[str, Any]) -> list[str]:
-  """The state files of manifest `m`: one per process that wrote it, or its single one."""
-  single = data_file(m) if m.get('storage') == SAFETENSORS else None
-  return multihost.state_files(m) or ([single] if single else [])
-
-
-def _own_files(m: Mapping[str, Any]) -> list[str]:
-  """The files of manifest `m` that are no process's part: sent whole to a process without."""
-  return [name for name in META[:-1] if name in m['files']]
 
 
 @dataclasses.dataclass
@@ -93,44 +80,6 @@ class Restored:
   sources: dict[str, int]  # bytes this process reads of it: {'own', 'peers', 'remote'}
 
 
-def held(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
-  """{step: {'seal', 'files': {state file: size}}} of the committed checkpoints here whose
-  manifest is sound (sizes only: the CRCs are checked for the one chosen), but for those the run
-  abandoned when it went back to an older one (`abandoned`)."""
-  out = {}
-  committed = layout.committed_steps(ckpt_dir)
-  left = abandoned.steps(ckpt_dir, committed)
-  for step, path in committed.items():
-    if step in left:
-      continue
-    try:
-      raw = (path / layout.MANIFEST).read_bytes()
-      m = manifest.parse(path, raw)
-      if manifest.check_seal(raw, m) or not (path / layout.RUN_STATE).is_file():
-        continue
-      files = {}
-      for rel in _parts(m):
-        member = layout.safe_member(path, rel)  # names from a manifest are checked
-        if member.is_file() and member.stat().st_size == m['files'][rel]['size']:
-          files[rel] = m['files'][rel]['size']
-    except (OSError, CheckpointError, KeyError, TypeError):
-      continue
-    out[str(step)] = {'seal': manifest.seal_of(raw), 'files': files}
-  return out
-
-
-def tidy(ckpt_dir: Path) -> list[Path]:
-  """Removes the files an earlier peer restore, cut short, left half-received in committed step
-  directories (a step directory it never committed is the manager's debris); returns them."""
-  left = [
-      p for d in layout.committed_steps(ckpt_dir).values()
-      for suffix in (layout.PEER_TMP, layout.FETCH_TMP) for p in d.rglob(f'*{suffix}')
-  ]
-  for path in left:
-    path.unlink(missing_ok=True)
-  return left
-
-
 def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
                 remote: Remote | None) -> Restored | None:
   """Brings this process's step directory of the newest checkpoint the job's processes (and
@@ -141,24 +90,53 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
   what = 'a restore from the peers'
   tidy(ckpt_dir)
   posts = group.collect('peers/held', what, json.dumps(held(ckpt_dir)), fix=AGAIN)
-  views = [json.loads(p) for p in posts] if group.leader else []
+  views = [holdings.view(k, p) for k, p in enumerate(posts)] if group.leader else []
   tried: set[tuple[int, str]] = set()
-  for round_ in range(8):  # each round passes one checkpoint over, or a damaged part
+
+  def decide(name: str, fn: Callable[[], Any]) -> Any:
+    """Process 0's word on `name` (`fn()`), the others' wait for it; when process 0 fails to
+    decide, every process raises E-CKPT-016 at once rather than wait out the timeout."""
     if group.leader:
-      word = _next(ckpt_dir, views, remote, tried)
-      if word is None and remote is not None and remote.meta is not None and \
-          remote.step is not None and str(remote.step) not in views[0]:
-        try:  # nothing newer is whole here: the remote's newest, its parts read once below
-          remote.meta(remote.step, ckpt_dir)
-          views[0] = held(ckpt_dir)
-          word = _next(ckpt_dir, views, remote, tried)
-        except CheckpointError as e:  # said; None for everyone (the caller's fallback)
-          _log.warning('step %d: its own files from the remote: %s', remote.step, e.what)
-      if word is None and (remote is None or remote.step is None):
-        word = _stranded(views)  # never a fresh start over committed checkpoints
-      group.announce(f'peers/try/{round_}', json.dumps(word))
+      try:
+        word = fn()
+      except Exception as e:  # noqa: BLE001 - said to every process, then raised
+        word = {'failed': f'{type(e).__name__}: {" ".join(str(e).split())[:300]}'}
+      group.announce(name, json.dumps(word))
     else:
-      word = json.loads(group.await_word(f'peers/try/{round_}', what))
+      word = json.loads(group.await_word(name, what))
+    if isinstance(word, dict) and 'failed' in word:
+      raise CheckpointError('E-CKPT-016', f'process 0 could not decide {what}: {word["failed"]}',
+                            'fix what it names on process 0, then start every process again')
+    return word
+
+  def choose() -> dict[str, Any] | None:
+    word = _next(ckpt_dir, views, remote, tried)
+    if word is None and remote is not None and remote.meta is not None and \
+        remote.step is not None and str(remote.step) not in views[0]:
+      try:  # nothing newer is whole here: the remote's newest, its parts read once below
+        remote.meta(remote.step, ckpt_dir)
+        views[0] = held(ckpt_dir)
+        word = _next(ckpt_dir, views, remote, tried)
+      except CheckpointError as e:  # said; None for everyone (the caller's fallback)
+        _log.warning('step %d: its own files from the remote: %s', remote.step, e.what)
+    if word is None and (remote is None or remote.step is None):
+      word = holdings.stranded(views)  # never a fresh start over committed checkpoints
+    return word
+
+  def plan_for(step: int, seal: str, intact: list[str]) -> dict[str, Any] | None:
+    try:
+      plan = _plan(ckpt_dir, step, [holdings.names(v) for v in intact], target, group.count, remote)
+    except CheckpointError as e:  # its shard table is damaged here: said, and passed over
+      _log.warning('step %d passed over for a restore from the peers: %s', step, e.what)
+      plan = None
+    if plan is None:  # a damaged part no one else holds: take that one out, try again
+      for k, v in enumerate(intact):
+        views[k].get(str(step), {})['files'] = {r: 0 for r in holdings.names(v)}
+      tried.add((step, seal))
+    return plan
+
+  for round_ in range(8):  # each round passes one checkpoint over, or a damaged part
+    word = decide(f'peers/try/{round_}', choose)
     if word is None:
       return None
     if 'stranded' in word:  # every process raises it together
@@ -173,21 +151,9 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
           ', '.join(f'process {k}: {s}' for k, s in [[0, seal]] + word['conflict']),
           "every host's copy of a checkpoint must be one commit: move the other one away "
           "(another run's workdir?), then start every process again")
-    mine = _intact(ckpt_dir, step, seal)
+    mine = holdings.intact(ckpt_dir, step, seal)
     intact = group.collect(f'peers/intact/{round_}', what, json.dumps(mine), fix=AGAIN)
-    if group.leader:
-      try:
-        plan = _plan(ckpt_dir, step, [json.loads(v) for v in intact], target, group.count, remote)
-      except CheckpointError as e:  # its shard table is damaged here: said, and passed over
-        _log.warning('step %d passed over for a restore from the peers: %s', step, e.what)
-        plan = None
-      if plan is None:  # a damaged part no one else holds: take that one out, try again
-        for k, v in enumerate(intact):
-          views[k].get(str(step), {})['files'] = {r: 0 for r in json.loads(v)}
-        tried.add((step, seal))
-      group.announce(f'peers/plan/{round_}', json.dumps(plan))
-    else:
-      plan = json.loads(group.await_word(f'peers/plan/{round_}', what))
+    plan = decide(f'peers/plan/{round_}', lambda: plan_for(step, seal, intact))
     if plan is not None:
       return _carry_out(ckpt_dir, plan, mine, group, remote)
   return None
@@ -209,58 +175,10 @@ def _next(ckpt_dir: Path, views: list[dict], remote: Remote | None,
     for view in views:
       if view.get(key, {}).get('seal') == seal:
         held_by |= set(view[key]['files'])
-    parts = _parts(m)
+    parts = holdings.parts(m)
     if on_remote or set(parts) <= held_by:
-      return {'step': step, 'seal': seal, **_conflict(views, key, seal, parts)}
+      return {'step': step, 'seal': seal, **holdings.conflict(views, key, seal, parts)}
   return None
-
-
-def _stranded(views: list[dict]) -> dict[str, str] | None:
-  """Process 0, when nothing is whole between the processes and no remote checkpoint fills
-  in: {'stranded': what} when some process holds a committed checkpoint all the same (a fresh
-  start would train over it); None when none does (a fresh start)."""
-  holders: dict[int, list[int]] = {}
-  for k, view in enumerate(views):
-    for key in view:
-      holders.setdefault(int(key), []).append(k)
-  if not holders:
-    return None
-  newest = max(holders)
-  return {
-      'stranded': f'the {len(views)} processes hold committed checkpoints (the newest, step '
-                  f'{newest}, on process(es) {holders[newest]}) but none whole and intact '
-                  'between them, and no remote checkpoint fills in the parts no process holds'
-  }
-
-
-def _conflict(views: list[dict], key: str, seal: str, parts: list[str]) -> dict[str, Any]:
-  """{'conflict': [[process, seal], ...]} when other commits of step `key` are whole between
-  the processes too (another run's workdir): which one to take is not for the job to guess.
-  A host's part of another commit that is not whole (a replay cut short) is replaced."""
-  other: dict[str, set[str]] = {}
-  for view in views:
-    if view.get(key, {}).get('seal') not in (None, seal):
-      other.setdefault(view[key]['seal'], set()).update(view[key]['files'])
-  whole = [[k, v[key]['seal']]
-           for k, v in enumerate(views)
-           if v.get(key, {}).get('seal') in other and set(parts) <= other[v[key]['seal']]]
-  return {'conflict': whole} if whole else {}
-
-
-def _intact(ckpt_dir: Path, step: int, seal: str) -> list[str]:
-  """The state files of checkpoint (`step`, `seal`) here that match its manifest, CRC included,
-  and its run state when that does too (a process without it is sent it)."""
-  path = ckpt_dir / layout.step_dirname(step)
-  try:
-    raw = (path / layout.MANIFEST).read_bytes()
-    if manifest.seal_of(raw) != seal:
-      return []
-    m = manifest.parse(path, raw)
-  except (OSError, CheckpointError):
-    return []
-  files = _parts(m) + _own_files(m)
-  bad = manifest.file_problems(path, {**m, 'files': {r: m['files'][r] for r in files}})
-  return [r for r in files if not any(p.startswith(f'{r}:') for p in bad)]
 
 
 def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count: int,
@@ -271,7 +189,7 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
   path = ckpt_dir / layout.step_dirname(step)
   raw = (path / layout.MANIFEST).read_bytes()
   m = manifest.parse(path, raw)
-  whole = _own_files(m)
+  whole = holdings.own_files(m)
   # Each of the checkpoint's own files is sent from a process that holds it intact (process 0
   # first; only its disk holds the shard table), the manifest from process 0.
   senders = {name: [k for k in range(count) if name in intact[k]] for name in whole}
@@ -282,7 +200,7 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
   needs = multihost.needed_files(
       shardtable.shard_table(path, m, data_file(m)), named_leaves(target), count)
   moves, load = [], [0] * count  # the bytes each process reads from the remote
-  for rel in _parts(m):
+  for rel in holdings.parts(m):
     holders = [k for k in range(count) if rel in intact[k]]
     receivers = [k for k in range(count) if rel in needs[k] and rel not in intact[k]]
     if not receivers:
@@ -297,7 +215,7 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
       load[first] += m['files'][rel]['size']
     source = (own if own in holders else holders[0]) if holders else -1
     moves.append([rel, source, sorted(receivers, key=lambda k: (k != first, k))])
-  files = {rel: m['files'][rel] for rel in _parts(m)}
+  files = {rel: m['files'][rel] for rel in holdings.parts(m)}
   meta = {name: m['files'][name]['size'] for name in whole}
   return {
       'step': step, 'seal': seal, 'files': files, 'moves': moves,
@@ -415,7 +333,8 @@ def _commit(work: Path, final: Path, raw: bytes, seal: str, step: int) -> None:
         'E-CKPT-003', f'the manifest of step {step} sent by process 0 does not '
         'match its seal', 'restart the job')
   m = manifest.parse(work, raw)  # what came with it (the run state, the shard table) matches it
-  bad = manifest.file_problems(work, {**m, 'files': {r: m['files'][r] for r in _own_files(m)}})
+  bad = manifest.file_problems(work,
+                               {**m, 'files': {r: m['files'][r] for r in holdings.own_files(m)}})
   if bad:
     raise CheckpointError('E-CKPT-003', f'step {step} as received: {bad[0]}', 'restart the job')
   atomic.fsync_dir(work / layout.STATE_DIR)
