@@ -136,6 +136,43 @@ def test_a_workdir_that_is_the_ram_disk_itself_is_checked_against_memory():
   assert e.value.code == 'E-CONFIG-010' and '--workdir=/dev/shm is in memory' in e.value.line()
 
 
+@pytest.fixture
+def small_ram_disk(tmp_path):
+  """A 1 MiB tmpfs mounted at tmp_path/ram (needs root)."""
+  import subprocess
+  if os.geteuid() != 0:
+    pytest.skip('mounting a tmpfs needs root')
+  ram = tmp_path / 'ram'
+  ram.mkdir()
+  subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', str(ram)], check=True)
+  try:
+    yield ram
+  finally:
+    subprocess.run(['umount', '-l', str(ram)], check=False)
+
+
+def _ram_check(workdir: Path, part_bytes: int, keep: int = 1) -> None:
+  peer_start.check(
+      1, remote=object(), shared=False, count=2, workdir=workdir, part_bytes=part_bytes, keep=keep)
+
+
+def test_a_ram_disk_is_checked_against_its_own_size_less_the_checkpoints_it_holds(small_ram_disk):
+  _ram_check(small_ram_disk / 'run', 200_000)  # 2 parts x 2 checkpoints: 0.8 MB of 1 MiB
+  with pytest.raises(UsageError) as e:  # 1.2 MB: more than the mount holds, memory or not
+    _ram_check(small_ram_disk / 'run', 300_000)
+  assert e.value.code == 'E-CONFIG-010' and 'free in its mount (tmpfs size=)' in e.value.line()
+  # A restart: the checkpoints it keeps are in the mount already, and count once.
+  (small_ram_disk / 'run' / 'checkpoints').mkdir(parents=True)
+  (small_ram_disk / 'run' / 'checkpoints' / 'part').write_bytes(bytes(600_000))
+  _ram_check(small_ram_disk / 'run', 250_000)  # 1.0 MB, 0.6 MB of it there already
+
+
+def test_keep_all_on_a_ram_disk_is_refused(small_ram_disk):
+  with pytest.raises(UsageError) as e:
+    _ram_check(small_ram_disk, 1, keep=0)
+  assert e.value.code == 'E-CONFIG-010' and '--keep=0 keeps every checkpoint' in e.value.line()
+
+
 # ----------------------------------------------------------------- leaving a failed start
 class _Exited(Exception):
   pass

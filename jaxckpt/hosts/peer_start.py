@@ -18,6 +18,7 @@ and from the remote (`sources`).
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,12 +29,14 @@ from jaxckpt.checkpoint import CheckpointError, multihost, peers
 from jaxckpt.checkpoint.remote import partial
 from jaxckpt.errors import ResumeError, UsageError
 from jaxckpt.hosts import remote_start
+from jaxckpt.records.workdir import checkpoints_dir
 
 
 def check(replicas: int, *, remote: Any, shared: bool, count: int, workdir: Path, part_bytes: int,
           keep: int) -> None:
   """E-CONFIG-010 (exit 2) for `--replicas` a job cannot hold, before anything is written;
-  on a RAM disk (`/dev/shm`), when the parts kept would not fit in the memory available."""
+  on a RAM disk (`/dev/shm`), `--keep=0` (memory would fill), and parts kept that would not fit
+  in the memory available or the mount's own size, less what its checkpoints hold already."""
   if replicas <= 0:
     return
   fix = ('use --replicas=0, or one process per host, each with --workdir on its own disk, '
@@ -47,14 +50,26 @@ def check(replicas: int, *, remote: Any, shared: bool, count: int, workdir: Path
         'E-CONFIG-010', f'--replicas={replicas} with {count} processes: each part would need '
         f'{replicas} other hosts to keep it and there are {count - 1}',
         f'use --replicas between 1 and {count - 1}')
-  kept = (replicas + 1) * part_bytes * (max(keep, 1) + 1)  # the checkpoints kept + one being saved
-  available = _mem_available()
-  if _on_ram(workdir) and available is not None and kept > available:
+  if not _on_ram(workdir):
+    return
+  each = f'{replicas + 1} parts of {part_bytes / 1e6:.0f} MB'
+  if keep == 0:
     raise UsageError(
-        'E-CONFIG-010', f'--workdir={workdir} is in memory: {replicas + 1} parts of '
-        f'{part_bytes / 1e6:.0f} MB for each of {max(keep, 1) + 1} checkpoints need '
-        f'{kept / 1e9:.1f} GB and {available / 1e9:.1f} GB is available',
-        'use a smaller --keep or --replicas, or a workdir on disk')
+        'E-CONFIG-010', f'--workdir={workdir} is in memory and --keep=0 keeps every '
+        f'checkpoint: {each} per host for each one, until memory is full',
+        'set --keep (each checkpoint kept costs that), or use a workdir on disk')
+  kept = (replicas + 1) * part_bytes * (keep + 1)  # the checkpoints kept + one being saved
+  there = _bytes_under(checkpoints_dir(workdir))  # in memory already: kept or replaced
+  room = {
+      'memory available': _mem_available(), 'free in its mount (tmpfs size=)': _mount_free(workdir)
+  }
+  limit = min(((v, k) for k, v in room.items() if v is not None), default=None)
+  if limit is not None and kept - there > limit[0]:
+    raise UsageError(
+        'E-CONFIG-010', f'--workdir={workdir} is in memory: {each} for each of {keep + 1} '
+        f'checkpoints need {kept / 1e9:.2f} GB ({there / 1e9:.2f} GB of it there already) '
+        f'and {limit[0] / 1e9:.2f} GB more is {limit[1]}',
+        'use a smaller --keep or --replicas, a larger RAM disk, or a workdir on disk')
 
 
 def resume_point(run, ckpt_dir: Path, target: Any, timeout_secs: float) -> Path | None:
@@ -139,6 +154,30 @@ def _on_ram(path: Path) -> bool:
   except (OSError, RuntimeError):
     return False
   return kind in ('tmpfs', 'ramfs')
+
+
+def _bytes_under(path: Path) -> int:
+  """The bytes of the files under `path` (0 where there is none)."""
+  total = 0
+  for root, _, files in os.walk(path):
+    for name in files:
+      try:
+        total += os.lstat(os.path.join(root, name)).st_size
+      except OSError:
+        pass
+  return total
+
+
+def _mount_free(path: Path) -> int | None:
+  """The bytes free in the filesystem of `path` (or its nearest existing parent): a tmpfs
+  mount's own `size=` bounds it below the memory."""
+  for where in (path, *path.parents):
+    try:
+      st = os.statvfs(where)
+    except OSError:
+      continue
+    return st.f_bavail * st.f_frsize
+  return None
 
 
 def _mem_available() -> int | None:
