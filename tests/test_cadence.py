@@ -170,6 +170,21 @@ def test_history_counts_starts_that_did_not_end_cleanly():
   assert read_history([]).interruptions == 0 and read_history([]).delta_s is None
 
 
+def test_history_takes_each_row_as_its_own_starts_by_segment():
+  events = [
+      ev('started', 0, segment=0),
+      ev('checkpoint', 20, segment=0),  # SIGKILLed after 20 s; the machine down till 5000
+      ev('remote', 5000, segment=1),  # the next start's, before it says `started`
+      ev('fetched', 5001, segment=1),
+      ev('upload_started', 5002, segment=1),
+      ev('started', 5010, segment=1),
+      ev('started', 5012, segment=1),  # it passed over a damaged checkpoint: one start
+      ev('finished', 5030, segment=1),
+  ]
+  h = read_history(events)
+  assert (h.interruptions, h.exposure_s) == (1, pytest.approx(20 + 20))
+
+
 def test_history_counts_a_lost_process_as_an_interruption():
   lost = 'E-DIST-006: process(es) [1] of 2 lost'
   events = [

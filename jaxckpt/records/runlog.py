@@ -144,7 +144,10 @@ class RunLog:
 
   def event(self, event: str, **fields: Any) -> None:
     self.started |= event == 'started'  # from here on, a failure is this start's end record
-    self._append(EVENTS, [{'event': event, 'time': time.time(), **fields}], sync=True)
+    # Each row names the start that wrote it: rows from before its `started` are its own.
+    self._append(
+        EVENTS, [{'event': event, 'time': time.time(), 'segment': self.segment, **fields}],
+        sync=True)
 
   def losses(self, rows: Iterable[Mapping[str, Any]]) -> None:
     self._append(LOSSES, ({**r, 'segment': self.segment} for r in rows), sync=True)

@@ -78,14 +78,8 @@ def read_history(events: Iterable[Mapping[str, Any]]) -> History:
   of the job was lost (`lost_process`: a host gone silent) was. A SIGKILLed start's running time
   ends at its last record (with auto, a `cadence` event at every commit).
   """
-  segments: list[list[Mapping[str, Any]]] = []
-  for e in events:
-    if e.get('event') == 'started':
-      segments.append([e])
-    elif segments:
-      segments[-1].append(e)
   interruptions, exposure, delta = 0, 0.0, None
-  for segment in segments:
+  for segment in _segments(events):
     end = next((e for e in segment if e.get('event') in ENDS), None)
     last = end or [e for e in segment if e.get('event') not in BETWEEN][-1]
     # Rows are read, not trusted: a time that is no finite number adds no running time.
@@ -102,6 +96,32 @@ def read_history(events: Iterable[Mapping[str, Any]]) -> History:
                   and e.get('tier', 'local') == 'local' and _number(e.get('delta_s')) is not None),
                  delta)  # not an upload's (`--replicas`); a cost that is no number: passed over
   return History(interruptions, exposure, delta)
+
+
+def _segments(events: Iterable[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+  """The rows of each start, from its (first) `started` row on. A row is its start's by its
+  `segment` field: the next start's rows from before its `started` (a download, the lease) are
+  not the earlier one's, and a start that says `started` twice (it passed over a damaged
+  checkpoint) is one start. Rows without one (older records), and those another process writes
+  between two starts (`BETWEEN`), go with the start before them."""
+  segments: dict[Any, list[Mapping[str, Any]]] = {}
+  latest = None
+  for e in events:
+    seg = e.get('segment')
+    own = type(seg) is int  # pylint: disable=unidiomatic-typecheck
+    if e.get('event') == 'started':
+      latest = seg if own else ('at', len(segments))
+      segments.setdefault(latest, []).append(e)
+    elif own and e.get('event') not in BETWEEN:
+      segments.setdefault(seg, []).append(e)
+    elif latest is not None:
+      segments[latest].append(e)
+  out = []
+  for rows in segments.values():  # from the first `started`: a start that never said it ran no step
+    first = next((k for k, e in enumerate(rows) if e.get('event') == 'started'), None)
+    if first is not None:
+      out.append(rows[first:])
+  return out
 
 
 def _number(value: Any) -> float | None:
