@@ -46,7 +46,7 @@ def test_plan_turns_seconds_into_steps_within_the_bounds_and_the_floor():
   slow = cadence.plan(1.0, HOUR, 0.5, durable_s=500.0)
   assert slow.bound == 'durable' and slow.interval_s >= 500.0  # never before the last is durable
   assert slow.lost_s == pytest.approx((slow.interval_s + 1.0) / 2 + 500.0)
-  assert cadence.plan(0.0, HOUR, 0.5).interval_steps == 1  # at least one step
+  assert cadence.plan(0.0, HOUR, 10.0).interval_steps == 1  # at least one step
 
 
 def test_mtbi_weighs_the_prior_as_exposure_against_the_runs_own():
@@ -120,6 +120,18 @@ def test_config_checks_the_cadence_fields():
     with pytest.raises(ConfigError, match='E-CONFIG-004') as e:
       validate_config(config)
     assert names in str(e.value) and '--checkpoint_' in str(e.value)
+
+
+def test_a_save_that_cost_nothing_measurable_is_no_checkpoint_at_every_step():
+  free = cadence.plan(0.0, 6 * 3600, step_s=0.01)
+  assert free.interval_steps == cadence.plan(cadence.MIN_DELTA_S, 6 * 3600, 0.01).interval_steps
+  assert free.interval_steps > 100 and free.delta_s == 0.0  # what was measured, said as it is
+
+
+def test_a_bound_of_1e308_seconds_is_no_bound_not_an_overflow():
+  far = cadence.CadenceOptions(min_secs=1e308)
+  assert cadence.plan(0.5, 6 * 3600, 1e-300, far).interval_steps == cadence.MAX_STEPS
+  assert cadence.plan(0.5, 6 * 3600, 0.1, far).interval_steps == cadence.MAX_STEPS
 
 
 # --------------------------------------------------------------- the history of a run

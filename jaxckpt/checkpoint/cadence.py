@@ -27,8 +27,14 @@ DEFAULT_MTBI_S = 6 * 3600.0  # see CadenceOptions
 # has run longer than that, its own history outweighs it (see `blend_mtbi`).
 PRIOR_WEIGHT = 2.0
 # Each new measurement of δ moves the estimate this far (an exponential moving average): one
-# slow save (a busy disk, a first-touch of the staging buffer) cannot triple the interval.
+# slow save (a busy disk, a first-touch of the staging buffer) moves δ by 30% of its excess and
+# the interval (about √δ) by less: a save 10x as slow as the estimate makes the interval 1.9x.
 DELTA_WEIGHT = 0.3
+# A save always costs something (a commit's fsyncs): a δ measured below this is taken as this,
+# not as free (with δ = 0, Daly's interval is 0: a checkpoint at every step).
+MIN_DELTA_S = 1e-4
+# The most steps an interval may hold: a bound of 1e308 s is no bound, not an overflow.
+MAX_STEPS = 1 << 62
 # Until a save is measured, δ is guessed as the state written at this rate: a local NVMe disk
 # writes faster, so the guess errs long, and the first measured save corrects it.
 PRIOR_BYTES_PER_S = 2e9
@@ -186,12 +192,13 @@ def plan(delta_s: float,
          durable_s: float = 0.0) -> Plan:
   """The interval for δ = `delta_s` and M = `mtbi_s`, bounded and turned into steps.
 
+  δ is taken as at least `MIN_DELTA_S`, and an interval holds at most `MAX_STEPS` steps.
   `durable_s` is how long the last checkpoint took from its start to being durable: a floor, as
   the next one never starts before. The expected work lost per interruption is half a cycle
   (interval + δ) plus `durable_s`: an interruption while the newest checkpoint is not yet durable
   falls back one more cycle.
   """
-  interval, bound = daly_interval(delta_s, mtbi_s), 'daly'
+  interval, bound = daly_interval(max(delta_s, MIN_DELTA_S), mtbi_s), 'daly'
   if options.max_secs and interval > options.max_secs:
     interval, bound = options.max_secs, 'max'
   if interval < options.min_secs:
@@ -200,7 +207,8 @@ def plan(delta_s: float,
     interval, bound = durable_s, 'durable'
   if step_s > 0:  # in whole steps, on the right side of a bound
     rounding = {'daly': round, 'max': math.floor}.get(bound, math.ceil)
-    steps = max(1, int(rounding(interval / step_s)))
+    ratio = interval / step_s
+    steps = MAX_STEPS if not ratio < MAX_STEPS else max(1, int(rounding(ratio)))
     interval = steps * step_s  # what the loop will really run
   else:
     steps = 1
