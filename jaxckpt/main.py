@@ -38,6 +38,7 @@ def train_from_flags(argv, watcher: signals.PreemptionWatcher | None = None) -> 
         section, name = field.split('.')
         config[section][name] = FLAGS[flag].value
   trainer_flags.check_auto_only(FLAGS, config)
+  trainer_flags.check_remote_only(FLAGS, config)
   resume = trainer_flags.resume_mode(FLAGS.resume)
   logging.info('%s', trainer_flags.startup_line(FLAGS, resume))  # before the slow imports
   provenance = provenance_lib.provenance(

@@ -124,6 +124,7 @@ def test_a_run_from_another_directory_says_what_it_starts_at_once(tmp_path, comp
     (("--config.data.sources.main=('/nowhere/corpus.txt',)",), 'E-DATA-001'),
     (('--remote=ftp://host/prefix',), 'E-STORE-001'),
     (('--checkpoint_mtbi=1h',), 'E-USAGE-006'),
+    (('--remote_every=4',), 'E-USAGE-006'),
 ])
 def test_a_refused_run_leaves_no_workdir(trainer, tmp_path, flags, code):
   workdir = tmp_path / 'never'
@@ -131,6 +132,21 @@ def test_a_refused_run_leaves_no_workdir(trainer, tmp_path, flags, code):
   assert r.returncode == 2 and 'Traceback' not in r.stderr, r.stderr[-3000:]
   assert r.stderr.strip().splitlines()[-1].startswith(f'jaxckpt: {code}: '), r.stderr[-3000:]
   assert not workdir.exists()
+
+
+def test_remote_only_flags_without_a_remote_say_so():
+  from absl import flags as absl_flags
+  values = absl_flags.FlagValues()
+  for name in trainer_flags.REMOTE_ONLY:
+    absl_flags.DEFINE_string(name, None, '', flag_values=values)
+  values(['prog', '--remote_mtbi=3d', '--remote_lease=off'])
+  config = provenance.load_config_file(TINY)
+  with pytest.raises(UsageError) as e:
+    trainer_flags.check_remote_only(values, config)
+  assert e.value.code == 'E-USAGE-006' and \
+      '--remote_mtbi and --remote_lease apply only with --remote' in e.value.line()
+  config.checkpoint.remote = 's3://bucket/run'
+  trainer_flags.check_remote_only(values, config)  # with a remote: what the flags are for
 
 
 def test_auto_only_flags_without_auto_say_so():

@@ -279,6 +279,23 @@ def check_auto_only(flag_values, config) -> None:
         f'add --checkpoint_every=auto, or leave out {names}')
 
 
+# Only a run with `--remote` reads these.
+REMOTE_ONLY = ('remote_every', 'remote_mtbi', 'remote_lease', 'remote_lease_secs', 'remote_rate')
+
+
+def check_remote_only(flag_values, config) -> None:
+  """The flags only `--remote` reads, given without it: E-USAGE-006 (exit 2), not a value
+  that is silently ignored."""
+  given = [f'--{name}' for name in REMOTE_ONLY if flag_values[name].present]
+  if given and not config.checkpoint.get('remote'):
+    from jaxckpt.train.config import validate_config  # pylint: disable=import-outside-toplevel
+    validate_config(config)  # a bad value is the first thing to fix
+    names = ' and '.join(given)
+    raise UsageError(
+        'E-USAGE-006', f'{names} {"applies" if len(given) == 1 else "apply"} only with '
+        '--remote, and there is none', f'add --remote=s3://bucket/prefix, or leave out {names}')
+
+
 def resume_mode(flag_value: str | None, environ=os.environ) -> str:
   """`--resume`, else `$JAXCKPT_RESUME`, else `latest`. An empty value (`--resume=$STEP` with STEP
   unset) is refused (E-RESUME-005): taken as `latest`, it would resume from another checkpoint than
