@@ -69,31 +69,33 @@ def pivot(workdir: str | os.PathLike) -> tuple[int, list[str]]:
         raise UsageError(
             'E-PIVOT-001', f'{workdir / EVENTS} holds a row that is not a jaxckpt event '
             f'(row {i}: {json.dumps(e)[:60]})', 'remove that line, then pivot again')
-    # Every save writes bandit.json: none (and no samples.json) means the phase has not trained
-    # since the last pivot, or the run never saved. A pivot then would archive nothing and only
-    # count a phase; it is refused before anything is created or recorded.
-    if not any((workdir / name).exists() for name in (SAMPLES, BANDIT)):
-      since = ' since its last pivot' if ending else ''
-      raise UsageError(
-          'E-PIVOT-001', f'{workdir} has nothing to pivot: no {SAMPLES} or {BANDIT} '
-          f'(the run has not trained{since})', 'train the run, then pivot it')
     dest = workdir / ARCHIVE / f'phase-{ending}'
     if os.path.lexists(workdir / ARCHIVE) and not (workdir / ARCHIVE).is_dir():
       raise UsageError('E-PIVOT-002', f'{workdir / ARCHIVE} is not a directory',
                        'move it away and pivot again')
-    if dest.exists():
+    # A pivot cut short (killed after it moved files, before its event was recorded) left the
+    # phase's archive holding satellites and nothing else: this one finishes it.
+    moved = _cut_short(dest)
+    # Every save writes bandit.json: none (and no samples.json) means the phase has not trained
+    # since the last pivot, or the run never saved. A pivot then would archive nothing and only
+    # count a phase; it is refused before anything is created or recorded.
+    if not moved and not any((workdir / name).exists() for name in (SAMPLES, BANDIT)):
+      since = ' since its last pivot' if ending else ''
+      raise UsageError(
+          'E-PIVOT-001', f'{workdir} has nothing to pivot: no {SAMPLES} or {BANDIT} '
+          f'(the run has not trained{since})', 'train the run, then pivot it')
+    if dest.exists() and moved is None:
       raise UsageError('E-PIVOT-002', f'{dest} already exists', 'move it away and pivot again')
     dest.parent.mkdir(exist_ok=True)
-    dest.mkdir()
+    dest.mkdir(exist_ok=True)
     # The new directories' entries must be durable before files move into them: a crash could
     # otherwise lose phase-<k> (and what was moved there) while the originals are already gone.
     atomic.fsync_dir(dest.parent)
     atomic.fsync_dir(workdir)
-    archived = []
     for name in (SAMPLES, BANDIT):
       if (workdir / name).exists():
         os.replace(workdir / name, dest / name)
-        archived.append(name)
+    archived = [name for name in (SAMPLES, BANDIT) if (dest / name).exists()]
     atomic.fsync_dir(dest)
     atomic.fsync_dir(workdir)
     steps = layout.committed_steps(workdir / CHECKPOINTS)
@@ -104,3 +106,13 @@ def pivot(workdir: str | os.PathLike) -> tuple[int, list[str]]:
         archive=str(dest),
         step=max(steps) if steps else 0)
   return ending + 1, archived
+
+
+def _cut_short(dest: Path) -> list[str] | None:
+  """The satellites a pivot cut short moved into `dest`, which it may finish (None when `dest`
+  is absent or holds anything else: not a pivot's)."""
+  try:
+    names = sorted(p.name for p in dest.iterdir())
+  except OSError:
+    return None
+  return names if set(names) <= {SAMPLES, BANDIT} else None  # [] : cut short before a move
