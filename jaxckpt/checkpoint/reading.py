@@ -182,31 +182,46 @@ def read_arrays(step_dir: Path,
   stuck = _stuck(path, meta['files'][single]['size'])
 
   # The reader hands each batch of tensors over as it lands; once `meanwhile` returns, this
-  # thread places them as they come (a host-to-device copy beside the rest of the read).
+  # thread places them as they come (a host-to-device copy beside the rest of the read). None
+  # after the last: the wait for more ends there, not a poll interval later.
   landed: queue.SimpleQueue = queue.SimpleQueue()
   placed: dict[str, jax.Array] = {}
+  ended: list[bool] = []
 
   def take(seconds: float) -> None:
+    if ended:  # the reader is returning: nothing more to wait for
+      time.sleep(0.001)
+      return
     try:
-      placed.update(place(landed.get(timeout=seconds)))
+      got = landed.get(timeout=seconds)
     except queue.Empty:
-      pass
+      return
+    if got is None:
+      ended.append(True)
+    else:
+      placed.update(place(got))
 
-  beside.beside(
-      lambda: _unless_removed(
+  def read() -> None:
+    try:
+      _unless_removed(
           step_dir, lambda: read_state_file(
               step_dir,
               meta,
               list(want),
               checksums=checksums,
               place=lambda a: landed.put(a) or {},
-              direct=verify)),
-      meanwhile,
-      stuck,
-      name=READER,
-      between=take)
-  while not landed.empty():  # what landed after the last look
-    take(0)
+              direct=verify))
+    finally:
+      landed.put(None)
+
+  beside.beside(read, meanwhile, stuck, name=READER, between=take)
+  while True:  # what landed after the last look
+    try:
+      got = landed.get_nowait()
+    except queue.Empty:
+      break
+    if got is not None:
+      placed.update(place(got))
   return placed
 
 
