@@ -178,6 +178,30 @@ def test_removed_while_its_state_file_is_read_is_not_a_raw_error(tmp_path, monke
   _assert_removed(e)
 
 
+@pytest.mark.parametrize('meanwhile', [None, lambda: None])
+def test_a_step_saved_again_while_it_is_read_is_not_damage(tmp_path, monkeypatch, meanwhile):
+  """A writer that went back saves the step again, swapping its new commit in (as `publish_dir`
+  does) after the reader took the old manifest: the files it then reads fail the old CRCs."""
+  from jaxckpt.checkpoint import atomic
+  step_dir = _saved(tmp_path / 'run', STATE)
+  again = _saved(tmp_path / 'again', {n: x + 1 for n, x in STATE.items()})
+  real = statefile.read_header
+
+  def read_header(*a, **kw):
+    out = real(*a, **kw)
+    if again.exists():
+      atomic.publish_dir(again, step_dir)  # the replay's commit, in one exchange
+    return out
+
+  monkeypatch.setattr(statefile, 'read_header', read_header)
+  with pytest.raises(CheckpointError) as e:
+    _reader_restore(tmp_path / 'run', meanwhile=meanwhile)
+  assert e.value.code == 'E-CKPT-010' and 'replaced by another commit' in e.value.what, e.value
+  monkeypatch.undo()
+  state, _ = _reader_restore(tmp_path / 'run')  # restored again: the new commit, whole
+  assert all(np.array_equal(state[n], STATE[n] + 1) for n in STATE)
+
+
 def test_removed_while_orbax_reads_it_is_not_a_raw_error(tmp_path, monkeypatch):
   _saved(tmp_path, STATE, storage='orbax')
   real = orbaxstore.restore

@@ -49,8 +49,8 @@ def audit(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any],
       skip_checksum=read_later,
       absent_ok=() if shards is None else multihost.unread(meta, want, shards))
   if problems:
-    if removed(step_dir):  # its files went with it: retention, not damage
-      raise _removed(step_dir)
+    if (gone := _gone(step_dir, meta)) is not None:  # retention or a new commit, not damage
+      raise gone
     raise CheckpointError(
         'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +
         (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
@@ -68,7 +68,7 @@ def shard_rows(step_dir: Path, raw: bytes, meta: Mapping[str, Any], *,
   if verify and (problem := manifest.check_seal(raw, meta)):
     raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {problem}',
                           'resume from an earlier checkpoint')
-  return _unless_removed(step_dir, lambda: shardtable.shard_table(step_dir, meta, single))
+  return _unless_removed(step_dir, lambda: shardtable.shard_table(step_dir, meta, single), meta)
 
 
 def targets(want: Mapping[str, Any]) -> dict[str, Any]:
@@ -113,20 +113,40 @@ def _removed(step_dir: Path) -> ArgumentError:
       'older checkpoints after each commit)', 'take the newest again (latest_step())')
 
 
+def _gone(step_dir: Path, meta: Mapping[str, Any] | None) -> ArgumentError | None:
+  """E-CKPT-010 when `step_dir` was removed, or (given the manifest it was read with, `meta`)
+  replaced by another commit of its step (a run that went back saved it again); else None."""
+  if removed(step_dir):
+    return _removed(step_dir)
+  seal = (meta or {}).get(manifest.SEAL)
+  try:
+    now = manifest.seal_of((step_dir / layout.MANIFEST).read_bytes()) if seal else seal
+  except OSError:
+    return None
+  if now == seal:
+    return None
+  return ArgumentError(
+      'E-CKPT-010', f'{step_dir} was replaced by another commit of its step while being read '
+      f'(manifest seal {seal}, now {now})', 'restore it again')
+
+
 T = TypeVar('T')
 
 
-def _unless_removed(step_dir: Path, read: Callable[[], T]) -> T:
-  """`read()`, whose failure once `step_dir` is gone is E-CKPT-010 (whatever the read met: a
-  missing file, a short one, a header that vanished); a file missing from a checkpoint still
+def _unless_removed(step_dir: Path,
+                    read: Callable[[], T],
+                    meta: Mapping[str, Any] | None = None) -> T:
+  """`read()`, whose failure once `step_dir` is gone, or (given `meta`, the manifest read)
+  replaced by another commit, is E-CKPT-010 (whatever the read met: a missing file, a short one,
+  a header that vanished, a CRC that no longer matches); a file missing from a checkpoint still
   there is E-CKPT-003. An ArgumentError (a call that cannot work) is raised as it is."""
   try:
     return read()
   except ArgumentError:
     raise
   except Exception as e:  # pylint: disable=broad-except  # told apart by the manifest, below
-    if removed(step_dir):
-      raise _removed(step_dir) from e
+    if (gone := _gone(step_dir, meta)) is not None:
+      raise gone from e
     if isinstance(e, FileNotFoundError):
       what = os.path.relpath(os.fsdecode(e.filename), step_dir) if e.filename else str(e)
       raise CheckpointError('E-CKPT-003', f'{step_dir} is damaged: {what}: missing',
@@ -153,11 +173,13 @@ def read_arrays(step_dir: Path,
   if shards is not None:
     if meanwhile is None:
       return _unless_removed(step_dir,
-                             lambda: multihost.restore(step_dir, shards, want, checksums=checksums))
+                             lambda: multihost.restore(step_dir, shards, want, checksums=checksums),
+                             meta)
     held = multihost.held_boxes(want)  # this process's byte ranges, read beside `meanwhile`
     boxes = beside.beside(
         lambda: _unless_removed(
-            step_dir, lambda: multihost.read_boxes(step_dir, shards, held, checksums=checksums)),
+            step_dir, lambda: multihost.read_boxes(step_dir, shards, held, checksums=checksums),
+            meta),
         meanwhile,
         _stuck(step_dir, multihost.read_bound(shards, held)),
         name=READER)
@@ -166,7 +188,8 @@ def read_arrays(step_dir: Path,
     if meanwhile is not None:
       meanwhile()  # tensorstore reads what each device needs: on this thread, after it
     return _unless_removed(
-        step_dir, lambda: orbaxstore.restore(step_dir / layout.STATE_DIR, want, partial=partial))
+        step_dir, lambda: orbaxstore.restore(step_dir / layout.STATE_DIR, want, partial=partial),
+        meta)
 
   def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     # One batched call per run (andrea_12m's 233 leaves: 6 ms batched, 9 ms one device_put
@@ -177,7 +200,7 @@ def read_arrays(step_dir: Path,
   if meanwhile is None:
     return _unless_removed(
         step_dir, lambda: read_state_file(
-            step_dir, meta, list(want), checksums=checksums, place=place, direct=verify))
+            step_dir, meta, list(want), checksums=checksums, place=place, direct=verify), meta)
   path = step_dir / single
   stuck = _stuck(path, meta['files'][single]['size'])
 
@@ -210,7 +233,7 @@ def read_arrays(step_dir: Path,
               list(want),
               checksums=checksums,
               place=lambda a: landed.put(a) or {},
-              direct=verify))
+              direct=verify), meta)
     finally:
       landed.put(None)
 
