@@ -16,9 +16,11 @@ def files(count: int) -> dict:
 @pytest.mark.parametrize('count', [1, 2, 1024])
 def test_the_word_gives_back_the_files_it_was_given(count):
   kept = {'kept': ['keep_every', 'best'], 'best': {'metric': 'eval loss', 'value': 2.5}}
-  said = jobcommit.word(1764800000.123456, files(count), count, kept)
-  at, got, retention = jobcommit.parse(said, 7, count)
+  said = jobcommit.word(1764800000.123456, files(count), count, kept, copies=count - 1)
+  at, got, retention, copies = jobcommit.parse(said, 7, count)
   assert at == 1764800000.123456 and got == files(count) and retention == kept
+  assert copies == count - 1  # the replicas the job confirmed of each part
+  assert jobcommit.parse(jobcommit.word(1.5, files(count), count), 7, count)[3] is None
   # The order of each entry's fields is the manifest's: size, then CRC-32.
   assert all(list(f) == ['size', 'crc32'] for f in got.values())
   assert len(said) < 16 * count + 200  # 16 bytes a process, not every process's record
@@ -26,7 +28,7 @@ def test_the_word_gives_back_the_files_it_was_given(count):
 
 def test_a_shared_directorys_word_is_the_time_alone():
   assert jobcommit.word(1.5, None) == 'ok 1.5'
-  assert jobcommit.parse('ok 1.5', 3, None) == (1.5, None, None)
+  assert jobcommit.parse('ok 1.5', 3, None) == (1.5, None, None, None)
 
 
 @pytest.mark.parametrize(
@@ -35,8 +37,10 @@ def test_a_shared_directorys_word_is_the_time_alone():
         ('OSError: [Errno 28] No space left on device', 2, 'process 0 did not commit: OSError'),
         ('ok 1.5', 2, 'does not parse here (2 fields)'),  # a process 0 of before file tables
         (jobcommit.word(1.5, files(3), 3), 2, '3 state files for 2 processes'),
-        ('ok 1.5 [] AAAA {}', 2, 'does not parse here'),
-        (jobcommit.word(1.5, files(2), 2).rsplit(' ', 1)[0], 2, '4 fields'),  # no retention
+        ('ok 1.5 [] AAAA - {}', 2, 'does not parse here'),
+        (jobcommit.word(1.5, files(2), 2).rsplit(' ', 1)[0], 2, '5 fields'),  # no retention
+        (jobcommit.word(1.5, files(2), 2, copies=-1), 2, 'a replica count of -1'),
+        (jobcommit.word(1.5, files(2), 2).replace(' - ', ' x ', 1), 2, 'does not parse here'),
         (jobcommit.word(1.5, files(2), 2).rsplit(' ', 1)[0] + ' []', 2, 'its retention record'),
         (jobcommit.word(1.5, files(2), 2, {'kept': 5}), 2, 'its retention record is not'),
         (jobcommit.word(1.5, files(2), 2).rsplit(' ', 1)[0] + ' ' + '[' * 100000, 2, 'parse here'),

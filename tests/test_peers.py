@@ -35,11 +35,12 @@ def expected(specs=SPECS) -> dict[str, np.ndarray]:
 
 
 def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
-  """`save STEP...` (replicas=1), or `restore` (the peer tier brings this process's directory to
+  """`save STEP...` (replicas=1; each commit printed with its confirmed replica count), or `restore` (the peer tier brings this process's directory to
   what it needs; then every shard is checked and the sources printed as JSON). `-split`: the
   arrays of `SPLIT` alone; `-slow`: process 1's reads of the remote take 12 s, and the restore's
   group waits 6 s; `-cut`: process 0's shard table is cut short as it sends it; `-eio`: process
-  0's disk fails while it plans."""
+  0's disk fails while it plans; `-flip` (save): process 2's replica of step 10 differs from its
+  owner's part."""
   specs, slow = SPLIT if '-split' in cmd else SPECS, '-slow' in cmd
   import jax
   jax.config.update('jax_num_cpu_devices', 1)
@@ -54,8 +55,20 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   shardings = {n: NamedSharding(mesh, P(*spec)) for n, (_, _, spec) in specs.items()}
   directory = Path(root) / f'host{process}'
   if cmd.startswith('save'):
-    with CheckpointManager(directory,
-                           CheckpointOptions(replicas=1, keep=0, barrier_timeout_secs=60)) as mgr:
+    if '-flip' in cmd and process == 2:  # its replica of step 10 is not its owner's bytes
+      from jaxckpt.checkpoint import replicas
+      write = replicas.write
+
+      def flipped(state_dir, copies):
+        out = write(state_dir, copies)
+        bad = state_dir.parent.name.startswith('step_00000010.')
+        return {r: {**v, 'crc32': '00000000'} if bad else v for r, v in out.items()}
+
+      replicas.write = flipped
+    with CheckpointManager(
+        directory,
+        CheckpointOptions(replicas=1, keep=0, barrier_timeout_secs=60),
+        on_commit=lambda i: print(f'COMMIT {i.step} {i.replicas}', flush=True)) as mgr:
       for step in map(int, rest):
         state = {
             n: jax.make_array_from_callback(x.shape, shardings[n], lambda i, x=x * step: x[i])
@@ -152,6 +165,16 @@ def test_each_process_keeps_a_byte_identical_replica_of_the_one_before_it(tmp_pa
     assert mine == sorted([f'process_{k}.safetensors', f'process_{before}.safetensors'])
     assert (_state(tmp_path, k, 10) / f'process_{before}.safetensors').read_bytes() == \
         (_state(tmp_path, before, 10) / f'process_{before}.safetensors').read_bytes()
+
+
+def test_a_replica_that_differs_from_its_owner_leaves_the_job_saying_the_peers_do_not_cover_it(
+    tmp_path, compile_cache):
+  outs = _run(tmp_path, compile_cache, 'save-flip', '10', '20')
+  for text in outs:  # the same word on every process: step 10 has a part on one host alone
+    assert [l for l in text.splitlines() if l.startswith('COMMIT')] == \
+        ['COMMIT 10 0', 'COMMIT 20 1'], text[-2000:]
+  assert not (_state(tmp_path, 2, 10) / 'process_1.safetensors').exists()  # not kept
+  assert (_state(tmp_path, 2, 20) / 'process_1.safetensors').exists()
 
 
 def test_a_wiped_host_is_restored_from_its_peers_and_a_damaged_replica_is_passed_over(

@@ -294,7 +294,7 @@ class CheckpointManager:
   def _write(self, step, staged, shapes, run_state_json, metadata, t0, blocked) -> None:
     group = self._group
     tmp = (group or layout).temporary_dir(self.directory, step)  # all processes: one name
-    saved, left_out, places, seq, copies = shapes
+    saved, left_out, places, seq, replicated = shapes
     try:
       staging = 'device' if isinstance(staged, DeviceSnapshot) else 'host'
       if staging == 'device':
@@ -303,21 +303,21 @@ class CheckpointManager:
       if left_out:
         metadata['excluded'] = tensor_table(left_out)
       tmp.mkdir(parents=False, exist_ok=group is not None)
-      storage, known, held = self._storage(), {}, {}
+      storage, known, held, copies = self._storage(), {}, {}, None
       # Why this checkpoint is kept is its own: a later run's other flags never delete it (on
       # own disks process 0 adds what the others' earlier commits of the step were kept for).
       kept = retention.record(step, self.options, replacing=self.step_dir(step))
       metadata = {**metadata, 'storage': storage, 'retention': kept}
       if storage == SAFETENSORS:  # one file, straight from the staging region
         region = None if isinstance(staged, Unstaged) else self._stager.region
-        known, table, held, self._in_memory = jobcommit.write_part(self._group, self._stager, tmp,
-                                                                   step, seq, staged, region, table,
-                                                                   (places, copies, kept))
+        known, table, held, self._in_memory, copies = jobcommit.write_part(
+            self._group, self._stager, tmp, step, seq, staged, region, table,
+            (places, replicated, kept))
       else:
         orbaxstore.save(tmp / layout.STATE_DIR, staged)
       final = self.step_dir(step)
       if group is not None and not group.leader:  # process 0 commits; its word ends the save
-        at, job, kept = jobcommit.await_commit(group, seq, step)
+        at, job, kept, copies = jobcommit.await_commit(group, seq, step)
         files = known
         if not group.shared:  # this host's part, under process 0's manifest (the same bytes)
           metadata['retention'] = kept  # process 0's: a replay may find other commits here
@@ -331,7 +331,7 @@ class CheckpointManager:
                                 jobcommit.listing(metadata, known, storage, group is not None),
                                 run_state_json, now)
         if group is not None:
-          jobcommit.announce(group, seq, now, known, metadata['retention'])
+          jobcommit.announce(group, seq, now, known, metadata['retention'], copies)
           group.forget(str(seq - 1))  # every process has read the previous save's keys
       committed = time.perf_counter()
     except BaseException as e:
@@ -360,7 +360,8 @@ class CheckpointManager:
         tuple(retention_errors),
         staging,
         staged=staged,
-        in_memory=self._in_memory)
+        in_memory=self._in_memory,
+        replicas=copies)
     try:
       self._on_commit(info)
     except CheckpointError:

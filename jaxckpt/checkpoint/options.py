@@ -123,3 +123,7 @@ class CommitInfo:
   # upload reads instead of the disk. Safe to keep: once the next save stages over the buffer
   # they answer None (read the file then).
   in_memory: Mapping[str, Any] = dataclasses.field(default_factory=dict, repr=False)
+  # With `replicas`: the fewest copies of any process's part on other hosts, each confirmed by
+  # size and CRC-32, the same on every process (0: a part is on its owner's disk alone, and the
+  # peer tier does not cover this checkpoint); None without replicas.
+  replicas: int | None = None

@@ -146,4 +146,20 @@ def keep_matching(step_dir: Path, written: Mapping[str, Mapping[str, Any]],
   return kept
 
 
-__all__ = ['check', 'dispatch', 'holders', 'keep_matching', 'kept_by', 'shifted', 'write']
+def confirmed(posted: list[Any], files: Mapping[str, Mapping[str, Any]]) -> int:
+  """Process 0: the fewest replicas any process's part has in the job, counting each that
+  its holder posted (`posted`: each process's {file: {size, crc32}}, or None) with the owner's
+  size and CRC-32 (`files`, the job's). 0: some part is on its owner's disk alone."""
+  parts = {rel: 0 for rel in files}  # every process's state file (before the shard table)
+  for held in posted:
+    for rel, got in (held if isinstance(held, dict) else {}).items():
+      want = files.get(rel)
+      if rel in parts and isinstance(got, dict) and want is not None and \
+          (got.get('size'), got.get('crc32')) == (want['size'], want['crc32']):
+        parts[rel] += 1
+  return min(parts.values(), default=0)
+
+
+__all__ = [
+    'check', 'confirmed', 'dispatch', 'holders', 'keep_matching', 'kept_by', 'shifted', 'write'
+]

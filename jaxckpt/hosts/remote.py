@@ -87,6 +87,7 @@ class RemoteRun:
     self._held: tuple[int, Path, Any] | None = None  # the last commit, uploaded by `finish`
     self._unsent: tuple[int, Path, Any] | None = None  # the last commit, if the cadence passed it
     self._last_sent: int | None = None  # the newest step handed to the uploader
+    self._covered = True  # whether the peers hold a confirmed copy of every part of the last
     self._committed: tuple[float, int | None] = (-float('inf'), None)  # process 0's word, when
 
   @classmethod
@@ -249,7 +250,16 @@ class RemoteRun:
       del self._records[step]  # a save that failed: its records will not be needed
     last = info.step in self._last_records
     every = self.config.checkpoint.get('keep_every', 0)  # kept for good locally: remotely too
-    if not self.cadence.take(info.step, always=last or (every > 0 and info.step % every == 0)):
+    # A checkpoint of which some part has no confirmed replica (the same word on every process)
+    # is not covered by the peers: it goes up, whatever `--remote_every` says.
+    self._covered = info.replicas != 0
+    if not self._covered:
+      logging.warning('step %d: a part has no confirmed replica on another host (see the '
+                      "writers' warnings): it is uploaded now", info.step)
+      if self._runlog is not None:
+        self._runlog.event('replicas_short', step=info.step, replicas=info.replicas)
+    always = last or (every > 0 and info.step % every == 0) or not self._covered
+    if not self.cadence.take(info.step, always=always):
       self._unsent = (info.step, info.path, info.in_memory)  # `--remote_every`: not this one
       self._records.pop(info.step, None)
       return
@@ -282,11 +292,16 @@ class RemoteRun:
   def chain(self, committed: Callable[[], bool]) -> Callable[[], bool]:
     """The automatic cadence's test that the last save is durable: `committed()` locally and,
     unless the store is failing (then local commits go on alone), uploaded. With `--replicas`,
-    committed alone: a commit holds the peers' copies, which cover a lost host."""
+    committed alone when the peers hold a confirmed copy of every part, which covers a lost
+    host; a commit they do not cover is durable once uploaded, as without replicas."""
+
+    def uploaded() -> bool:
+      return self._last_sent is None or self.uploader.error is not None or self.durable(
+          self._last_sent)
+
     if self.replicas:
-      return committed
-    return lambda: committed() and (self._last_sent is None or self.uploader.error is not None or
-                                    self.durable(self._last_sent))
+      return lambda: committed() and (self._covered or uploaded())
+    return lambda: committed() and uploaded()
 
   def status(self) -> dict[str, Any]:
     remote = self.uploader.remote_step if self.uploader else self.start_step
