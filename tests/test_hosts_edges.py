@@ -161,10 +161,19 @@ def test_a_ram_disk_is_checked_against_its_own_size_less_the_checkpoints_it_hold
   with pytest.raises(UsageError) as e:  # 1.2 MB: more than the mount holds, memory or not
     _ram_check(small_ram_disk / 'run', 300_000)
   assert e.value.code == 'E-CONFIG-010' and 'free in its mount (tmpfs size=)' in e.value.line()
-  # A restart: the checkpoints it keeps are in the mount already, and count once.
-  (small_ram_disk / 'run' / 'checkpoints').mkdir(parents=True)
-  (small_ram_disk / 'run' / 'checkpoints' / 'part').write_bytes(bytes(600_000))
-  _ram_check(small_ram_disk / 'run', 250_000)  # 1.0 MB, 0.6 MB of it there already
+  # A restart: the checkpoint it keeps (--keep=1) is in the mount already, and counts once.
+  older = small_ram_disk / 'run' / 'checkpoints' / 'step_00000001'
+  older.mkdir(parents=True)
+  (older / 'manifest.json').write_text('{}')
+  (older / 'part').write_bytes(bytes(350_000))
+  newest = older.with_name('step_00000002')
+  newest.mkdir()
+  (newest / 'manifest.json').write_text('{}')
+  (newest / 'part').write_bytes(bytes(350_000))
+  _ram_check(small_ram_disk / 'run', 160_000)  # 0.64 MB, 0.35 MB of it there, 0.33 MB free
+  # The older one (kept by --keep_every, say) is not rotated out: it does not count.
+  with pytest.raises(UsageError):
+    _ram_check(small_ram_disk / 'run', 200_000)  # 0.8 MB, 0.35 MB of it there, 0.33 MB free
 
 
 def test_keep_all_on_a_ram_disk_is_refused(small_ram_disk):

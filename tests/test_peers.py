@@ -304,6 +304,30 @@ def test_a_run_state_damaged_on_process_0_is_sent_it_from_a_process_that_holds_i
   assert run_state.read_bytes() == intact
 
 
+def test_a_run_state_missing_on_a_host_does_not_hide_the_parts_it_holds(
+    tmp_path, compile_cache, saved_10):
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  run_state = tmp_path / 'host1' / 'step_00000010' / 'run_state.json'
+  run_state.unlink()
+  (_state(tmp_path, 2, 10) / 'process_1.safetensors').unlink()  # host 1 holds the only copy
+  assert [r['step'] for r in _results(_run(tmp_path, compile_cache, 'restore'))] == [10] * COUNT
+  assert run_state.read_bytes() == (tmp_path / 'host0' / 'step_00000010' /
+                                    'run_state.json').read_bytes()
+
+
+def test_however_many_newer_steps_are_damaged_the_newest_whole_one_is_taken(
+    tmp_path, compile_cache):
+  steps = range(1, 11)
+  _run(tmp_path, compile_cache, 'save', *map(str, steps))
+  for step in steps[1:]:  # process 0's part of steps 2-10 damaged on host 0 and its replica's
+    for k in (0, 1):
+      path = _state(tmp_path, k, step) / 'process_0.safetensors'
+      data = bytearray(path.read_bytes())
+      data[-1] ^= 0xFF
+      path.write_bytes(bytes(data))
+  assert [r['step'] for r in _results(_run(tmp_path, compile_cache, 'restore'))] == [1] * COUNT
+
+
 def test_a_file_process_0_fails_to_send_is_never_written_into_a_committed_step(
     tmp_path, compile_cache, saved_10):
   """Processes 1 and 2 hold step 10 but not its shard table, which only process 0's disk
@@ -373,7 +397,8 @@ def test_what_a_process_posts_it_holds_is_checked_before_process_0_counts_it():
   good = {'seal': 'ab12cd34', 'files': {'state/process_1.safetensors': 512}}
   post = json.dumps({
       '10': good, 'x': good, '20': {'seal': 5, 'files': {}}, '30': {'seal': 's', 'files': []},
-      '40': {'seal': 's', 'files': {'a': -1}}, '50': ['not', 'a', 'dict'], '²': good
+      '40': {'seal': 's', 'files': {'a': -1}}, '50': ['not', 'a',
+                                                      'dict'], '²': good, '9' * 5000: good
   })
   assert holdings.view(1, post) == {'10': good}
   for raw in ('', 'null', '[1, 2]', '{"10": 3}', '{' * 5000):

@@ -46,7 +46,7 @@ def held(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
     try:
       raw = (path / layout.MANIFEST).read_bytes()
       m = manifest.parse(path, raw)
-      if manifest.check_seal(raw, m) or not (path / layout.RUN_STATE).is_file():
+      if manifest.check_seal(raw, m):  # a run state missing here is sent from another host
         continue
       files = {}
       for rel in parts(m):
@@ -82,7 +82,7 @@ def view(k: int, raw: str) -> dict[str, Any]:
   out = {}
   for key, v in view.items() if isinstance(view, dict) else ():
     files = v.get('files') if isinstance(v, dict) else None
-    if (isinstance(files, dict) and key.isascii() and key.isdigit()
+    if (isinstance(files, dict) and key.isascii() and key.isdigit() and len(key) <= 19
         and isinstance(v.get('seal'), str)
         and all(isinstance(n, str) and type(b) is int and b >= 0 for n, b in files.items())):
       out[str(int(key))] = {'seal': v['seal'], 'files': files}

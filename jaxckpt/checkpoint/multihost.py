@@ -166,16 +166,19 @@ class Group:
   def announce(self, name: str, word: str) -> None:
     self._client.key_value_set(f'{self.prefix}/{name}/word', word, allow_overwrite=True)
 
-  def await_word(self, name: str, what: str) -> str:
-    """Process 0's word on `name` (its commit: 'ok' or the error); E-DIST-002 past the timeout."""
+  def await_word(self,
+                 name: str,
+                 what: str,
+                 fix: str = 'process 0 stopped or was lost; nothing was committed') -> str:
+    """Process 0's word on `name` (its commit: 'ok' or the error); E-DIST-002 past the timeout,
+    with `fix`."""
     try:
       return self._client.blocking_key_value_get(f'{self.prefix}/{name}/word',
                                                  int(self.timeout_secs * 1000))
     except Exception as e:  # pylint: disable=broad-except
       raise CheckpointError(
           'E-DIST-002', f'{what}: no word from process 0 within {self.timeout_secs:g} s '
-          f'({" ".join(str(e).split())[:160]})', 'process 0 stopped or was lost; '
-          'nothing was committed') from None
+          f'({" ".join(str(e).split())[:160]})', fix) from None
 
   def forget(self, name: str) -> None:
     """Drop the keys of a finished exchange (every process has read them)."""

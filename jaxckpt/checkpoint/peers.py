@@ -36,6 +36,7 @@ of a collective, which has no timeout, is seen by the job's own heartbeats.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -50,6 +51,8 @@ from .tree import named_leaves
 # Bytes/s: the slowest read of the remote that the other processes wait for, beyond the group's
 # timeout (a read that stops moving is the store's own error long before).
 FETCH_FLOOR = 10e6
+# Bytes/s: the slowest CRC check of the parts a process holds that the others wait for.
+CHECK_FLOOR = 20e6
 AGAIN = 'a process stopped or was lost: start every process again (each part is checked again)'
 _log = logging.getLogger(__name__)
 
@@ -103,7 +106,7 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
         word = {'failed': f'{type(e).__name__}: {" ".join(str(e).split())[:300]}'}
       group.announce(name, json.dumps(word))
     else:
-      word = json.loads(group.await_word(name, what))
+      word = json.loads(group.await_word(name, what, fix=AGAIN))
     if isinstance(word, dict) and 'failed' in word:
       raise CheckpointError('E-CKPT-016', f'process 0 could not decide {what}: {word["failed"]}',
                             'fix what it names on process 0, then start every process again')
@@ -121,6 +124,9 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
         _log.warning('step %d: its own files from the remote: %s', remote.step, e.what)
     if word is None and (remote is None or remote.step is None):
       word = holdings.stranded(views)  # never a fresh start over committed checkpoints
+    if word is not None and 'step' in word:  # what the most laden process CRC-checks of it
+      word['check'] = max(
+          sum(v.get(str(word['step']), {}).get('files', {}).values()) for v in views)
     return word
 
   def plan_for(step: int, seal: str, intact: list[str]) -> dict[str, Any] | None:
@@ -135,7 +141,9 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
       tried.add((step, seal))
     return plan
 
-  for round_ in range(8):  # each round passes one checkpoint over, or a damaged part
+  # Each round returns, raises, or passes one commit over for good (`tried`): as many rounds
+  # as commits, at most.
+  for round_ in itertools.count():
     word = decide(f'peers/try/{round_}', choose)
     if word is None:
       return None
@@ -152,7 +160,12 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
           "every host's copy of a checkpoint must be one commit: move the other one away "
           "(another run's workdir?), then start every process again")
     mine = holdings.intact(ckpt_dir, step, seal)
-    intact = group.collect(f'peers/intact/{round_}', what, json.dumps(mine), fix=AGAIN)
+    intact = group.collect(
+        f'peers/intact/{round_}',
+        what,
+        json.dumps(mine),
+        timeout_secs=group.timeout_secs + word.get('check', 0) / CHECK_FLOOR,
+        fix=AGAIN)
     plan = decide(f'peers/plan/{round_}', lambda: plan_for(step, seal, intact))
     if plan is not None:
       return _carry_out(ckpt_dir, plan, mine, group, remote)
@@ -191,7 +204,7 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
   m = manifest.parse(path, raw)
   whole = holdings.own_files(m)
   # Each of the checkpoint's own files is sent from a process that holds it intact (process 0
-  # first; only its disk holds the shard table), the manifest from process 0.
+  # first: its disk always holds the shard table), the manifest from process 0.
   senders = {name: [k for k in range(count) if name in intact[k]] for name in whole}
   if not all(senders.values()):
     return None

@@ -204,8 +204,11 @@ def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | No
     for lo in range(0, size, window):
       n = min(window, size - lo)
       buf = np.zeros(window, np.uint8)
-      if fin is not None and problem is None and fin.readinto(memoryview(buf)[:n]) != n:
-        problem = f'{source} ends early'
+      try:  # a read that fails sends zeros: the receivers' checks fail, none left waiting
+        if fin is not None and problem is None and fin.readinto(memoryview(buf)[:n]) != n:
+          problem = f'{source} ends early'
+      except OSError as e:
+        problem, buf[:] = f'{source}: {e.strerror or e}', 0
       out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=source is not None))
       got.append(out[:n].tobytes())
   finally:

@@ -25,7 +25,7 @@ from typing import Any
 
 from absl import logging
 
-from jaxckpt.checkpoint import CheckpointError, multihost, peers
+from jaxckpt.checkpoint import CheckpointError, layout, multihost, peers
 from jaxckpt.checkpoint.remote import partial
 from jaxckpt.errors import ResumeError, UsageError
 from jaxckpt.hosts import remote_start
@@ -59,7 +59,10 @@ def check(replicas: int, *, remote: Any, shared: bool, count: int, workdir: Path
         f'checkpoint: {each} per host for each one, until memory is full',
         'set --keep (each checkpoint kept costs that), or use a workdir on disk')
   kept = (replicas + 1) * part_bytes * (keep + 1)  # the checkpoints kept + one being saved
-  there = _bytes_under(checkpoints_dir(workdir))  # in memory already: kept or replaced
+  # In memory already: the newest `keep` checkpoints, which the run rotates out as it saves
+  # (others, held by --keep_every or --keep_best, stay beside what this needs).
+  newest = sorted(layout.committed_steps(checkpoints_dir(workdir)).items())[-keep:]
+  there = min(kept, sum(_bytes_under(path) for _, path in newest))
   room = {
       'memory available': _mem_available(), 'free in its mount (tmpfs size=)': _mount_free(workdir)
   }
