@@ -44,6 +44,7 @@ import uuid
 from typing import Any, Callable
 
 from ..errors import ArgumentError, CheckpointError
+from ..options import finite
 from .checks import MAX_LEASE_BYTES, loads, read_small
 from .store import PACE_SECS, Store, StoreError, paced
 
@@ -208,7 +209,7 @@ class Lease:
     third of it)."""
     body = loads(raw) if raw != _TOO_LARGE else None
     ttl = body.get('ttl_secs') if isinstance(body, dict) else None
-    named = ttl if _number(ttl) and 0 < ttl <= MAX_TTL_SECS else 0.0
+    named = ttl if finite(ttl) is not None and 0 < ttl <= MAX_TTL_SECS else 0.0
     return max(self.ttl, named) + 0.1
 
   def _stale(self, holder: dict[str, Any]) -> bool:
@@ -372,10 +373,6 @@ def _read(store: Store, *, timeout: float | None = None) -> tuple[bytes | None, 
   return (_TOO_LARGE if large else raw), generation
 
 
-def _number(value: Any) -> bool:
-  return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _parse(raw: bytes | None) -> dict[str, Any] | None:
   return _parse_why(raw)[0]
 
@@ -395,11 +392,11 @@ def _parse_why(raw: bytes | None) -> tuple[dict[str, Any] | None, str | None]:
   latest = time.time() + MAX_AHEAD_SECS
   for k in ('renewed_at', 'started_at'):
     v = holder.get(k, 0)
-    if not _number(v) or not 0 <= v <= latest:
+    if not finite(v) is not None or not 0 <= v <= latest:
       return None, (f'{k} {v!r:.40} is not a time since 1970 at most {MAX_AHEAD_SECS:.0f} s '
                     "ahead of this machine's clock")
   ttl = holder.get('ttl_secs', 1.0)
-  if not _number(ttl) or not 0 < ttl <= MAX_TTL_SECS:
+  if not finite(ttl) is not None or not 0 < ttl <= MAX_TTL_SECS:
     return None, f'ttl_secs {ttl!r:.40} is not within (0, {MAX_TTL_SECS:.0f}]'
   pid = holder.get('pid', 0)
   if type(pid) is not int or pid < 0:  # pylint: disable=unidiomatic-typecheck
