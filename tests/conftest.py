@@ -12,6 +12,7 @@ os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 os.environ['HF_HUB_OFFLINE'] = '1'
 os.environ['TRANSFORMERS_OFFLINE'] = '1'
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -135,6 +136,20 @@ def jaxckpt_cli(*args: str,
                         text=True,
                         timeout=timeout,
                         env=None if cache is None else subprocess_env(cache))
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, size: str):
+  """A fresh tmpfs of `size` (`8k`, `1m`) mounted at `path` (made here), unmounted afterwards;
+  the test is skipped where mounting needs root."""
+  if os.geteuid() != 0:
+    pytest.skip('mounting a tmpfs needs root')
+  path.mkdir(exist_ok=True)
+  subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={size}', 'tmpfs', str(path)], check=True)
+  try:
+    yield path
+  finally:
+    subprocess.run(['umount', '-l', str(path)], check=False)
 
 
 def committed_steps(workdir) -> list[int]:

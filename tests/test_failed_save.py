@@ -6,13 +6,12 @@ The workdir is a real tmpfs too small for the run's checkpoints (`--keep=0` keep
 fills up mid-run and the kernel answers ENOSPC, as a full disk does.
 """
 
-import os
 import signal
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import committed_steps, events_of, wait_for
+from conftest import committed_steps, events_of, mounted_tmpfs, wait_for
 
 from jaxckpt.checkpoint import manifest
 from jaxckpt.records.runlog import read_status
@@ -25,15 +24,8 @@ QUIET = ('--keep=0', '--config.samples.every=0', '--export_every=0')
 @pytest.fixture
 def small_disk(tmp_path):
   """A fresh tmpfs of `DISK_KB`, unmounted afterwards."""
-  if os.geteuid() != 0:
-    pytest.skip('mounting a tmpfs needs root')
-  disk = tmp_path / 'disk'
-  disk.mkdir()
-  subprocess.run(['mount', '-t', 'tmpfs', '-o', f'size={DISK_KB}k', 'tmpfs', str(disk)], check=True)
-  try:
+  with mounted_tmpfs(tmp_path / 'disk', f'{DISK_KB}k') as disk:
     yield disk
-  finally:
-    subprocess.run(['umount', '-l', str(disk)], check=False)
 
 
 def assert_stopped_at_the_retry(workdir: Path, r: subprocess.CompletedProcess, total: int):

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from conftest import TINY, finish_processes, start_processes
+from conftest import TINY, finish_processes, mounted_tmpfs, start_processes
 
 from jaxckpt.checkpoint import multihost, peers
 from jaxckpt.checkpoint.remote import partial
@@ -139,16 +139,8 @@ def test_a_workdir_that_is_the_ram_disk_itself_is_checked_against_memory():
 @pytest.fixture
 def small_ram_disk(tmp_path):
   """A 1 MiB tmpfs mounted at tmp_path/ram (needs root)."""
-  import subprocess
-  if os.geteuid() != 0:
-    pytest.skip('mounting a tmpfs needs root')
-  ram = tmp_path / 'ram'
-  ram.mkdir()
-  subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=1m', 'tmpfs', str(ram)], check=True)
-  try:
+  with mounted_tmpfs(tmp_path / 'ram', '1m') as ram:
     yield ram
-  finally:
-    subprocess.run(['umount', '-l', str(ram)], check=False)
 
 
 def _ram_check(workdir: Path, part_bytes: int, keep: int = 1) -> None:

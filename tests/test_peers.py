@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import finish_processes, start_processes
+from conftest import finish_processes, mounted_tmpfs, start_processes
 
 COUNT = 3
 SPECS = {  # name: (shape, dtype, partition spec over ('data',))
@@ -148,6 +148,21 @@ def _state(tmp_path, k: int, step: int) -> Path:
   return tmp_path / f'host{k}' / f'step_{step:08d}' / 'state'
 
 
+def _uploaded_and_wiped(tmp_path, s3_server) -> tuple[str, Path]:
+  """Step 10 as the 3 hosts' uploaders put it in a fresh bucket (its URL), a whole copy of it
+  beside (`whole/step_00000010`), then every host's disk wiped: a job of fresh machines."""
+  from jaxckpt.checkpoint.remote import Store, objects
+  whole = tmp_path / 'whole' / 'step_00000010'
+  shutil.copytree(tmp_path / 'host0' / 'step_00000010', whole)
+  for k in (1, 2):
+    shutil.copy(_state(tmp_path, k, 10) / f'process_{k}.safetensors', whole / 'state')
+  url = s3_server.bucket()
+  objects.upload(Store(url), whole, {}, may_write=lambda _: None, may_delete=lambda _: None)
+  for k in range(COUNT):
+    shutil.rmtree(tmp_path / f'host{k}')
+  return url, whole
+
+
 @pytest.fixture(scope='module')
 def saved_10(tmp_path_factory, compile_cache) -> Path:
   """The 3 processes' `save 10` (host{k} each), run once for the tests that start from it: what
@@ -252,16 +267,8 @@ def test_with_every_disk_wiped_each_process_reads_its_own_part_from_the_remote(
   """A job of fresh machines: process 0 commits the remote checkpoint's own files alone, then
   each part is read from the remote once in the job, by its own process (a third of the state
   each), and the replicated arrays' bytes reach the others over the collectives."""
-  from jaxckpt.checkpoint.remote import Store, objects
   shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
-  whole = tmp_path / 'whole' / 'step_00000010'
-  shutil.copytree(tmp_path / 'host0' / 'step_00000010', whole)
-  for k in (1, 2):
-    shutil.copy(_state(tmp_path, k, 10) / f'process_{k}.safetensors', whole / 'state')
-  url = s3_server.bucket()
-  objects.upload(Store(url), whole, {}, may_write=lambda _: None, may_delete=lambda _: None)
-  for k in range(COUNT):
-    shutil.rmtree(tmp_path / f'host{k}')
+  url, whole = _uploaded_and_wiped(tmp_path, s3_server)
   results = _results(_run(tmp_path, compile_cache, 'restore', url, '10'))
   assert [r['step'] for r in results] == [10] * COUNT
   sizes = [(whole / 'state' / f'process_{k}.safetensors').stat().st_size for k in range(COUNT)]
@@ -279,16 +286,8 @@ def test_the_others_wait_for_a_slow_read_of_the_remote_past_the_groups_timeout(
   """Every disk wiped, every array split: each process reads its own part from the remote and
   needs no other, so no collective holds the others while process 1's read takes twice the
   group's timeout; they wait for it, sized by the bytes it reads, and every restore completes."""
-  from jaxckpt.checkpoint.remote import Store, objects
   _run(tmp_path, compile_cache, 'save-split', '10')
-  whole = tmp_path / 'whole' / 'step_00000010'  # what the 3 hosts' uploaders put there
-  shutil.copytree(tmp_path / 'host0' / 'step_00000010', whole)
-  for k in (1, 2):
-    shutil.copy(_state(tmp_path, k, 10) / f'process_{k}.safetensors', whole / 'state')
-  url = s3_server.bucket()
-  objects.upload(Store(url), whole, {}, may_write=lambda _: None, may_delete=lambda _: None)
-  for k in range(COUNT):
-    shutil.rmtree(tmp_path / f'host{k}')
+  url, whole = _uploaded_and_wiped(tmp_path, s3_server)
   results = _results(_run(tmp_path, compile_cache, 'restore-split-slow', url, '10'))
   sizes = [(whole / 'state' / f'process_{k}.safetensors').stat().st_size for k in range(COUNT)]
   assert [(r['step'], r['remote'], r['peers']) for r in results] == [(10, n, 0) for n in sizes]
@@ -350,22 +349,12 @@ def test_process_0_failing_to_plan_stops_every_process_at_once(tmp_path, compile
 
 def test_a_host_that_cannot_write_what_it_is_sent_stops_every_process_together(
     tmp_path, compile_cache, saved_10):
-  import os
-  import subprocess
-  if os.geteuid() != 0:
-    pytest.skip('mounting a tmpfs needs root')
   shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   shutil.rmtree(tmp_path / 'host1')
-  (tmp_path / 'host1').mkdir()
   # A replacement host whose disk is full after the first part: it fails mid-transfer, yet takes
   # part in every collective to the end, so no process is left waiting in one.
-  subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=8k', 'tmpfs',
-                  str(tmp_path / 'host1')],
-                 check=True)
-  try:
+  with mounted_tmpfs(tmp_path / 'host1', '8k'):
     outs = _run(tmp_path, compile_cache, 'restore', code=3)
-  finally:
-    subprocess.run(['umount', '-l', str(tmp_path / 'host1')], check=False)
   for text in outs:
     assert 'E-CKPT-016' in text and 'failed on process(es) [1]' in text, text[-2000:]
     assert 'No space left on device' in text, text[-2000:]
