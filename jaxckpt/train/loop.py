@@ -290,7 +290,7 @@ def _describe_start(trainer: Trainer, resume_dir: Path | None) -> str:
   params = sum(x.size for x in jax.tree.leaves(trainer.abstract_state().params))
   step = re.search(r'\d+', resume_dir.name) if resume_dir is not None else None
   resumes = ('a fresh start' if resume_dir is None else
-             f'resumes from step {int(step[0]) if step else "?"} at {resume_dir}')
+             f'resuming from step {int(step[0]) if step else "?"} at {resume_dir}, if intact')
   platform = jax.devices()[0].platform
   gpu = ('' if platform != 'gpu'
          else '; GPU ops deterministic' if 'deterministic_ops=true' in os.environ.get(
