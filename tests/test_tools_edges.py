@@ -101,6 +101,79 @@ def test_plot_draws_what_jaxckpt_evaluate_wrote(run, tmp_path, capsys, content, 
     assert err == ''
 
 
+def _records(workdir: Path, losses: bytes, events: bytes = b'') -> Path:
+  """A hand-made run: steps 1-4 of segment 0 as the trainer writes them, then `losses`, and the
+  events `events`."""
+  workdir.mkdir()
+  rows = ''.join(
+      json.dumps({'step': s, 'segment': 0, 'loss': 5.0 - s / 10}) + '\n' for s in range(1, 5))
+  (workdir / 'loss.jsonl').write_bytes(rows.encode() + losses)
+  if events:
+    (workdir / 'events.jsonl').write_bytes(events)
+  return workdir
+
+
+FOREIGN_LOSSES = {
+    'step a string': b'{"step": "5", "segment": 0, "loss": 1.0}\n',
+    'step a float': b'{"step": 2.5, "segment": 0, "loss": 1.0}\n',
+    'step a bool': b'{"step": true, "segment": 1, "loss": 1.0}\n',  # would stand for step 1
+    'step None': b'{"step": null, "segment": 0, "loss": 1.0}\n',
+    'segment a list': b'{"step": 5, "segment": [0], "loss": 1.0}\n',
+    'segment a string': b'{"step": 2, "segment": "1", "loss": 1.0}\n',
+    'loss a string': b'{"step": 5, "segment": 0, "loss": "low"}\n',
+    'not UTF-8': b'\x89PNG\r\n\x1a\n\xff\xfe{"step": 5, "segment": 0, "loss": "\xe9"}\n',
+}
+FOREIGN_EVENTS = {
+    'events not UTF-8': b'\xff\xfe\x00\x80\n{"event": "resumed", "step": 3, "x": "\xe9"}\n',
+    'event steps that are no steps': b'{"event": "resumed", "step": "3"}\n'
+                                     b'{"event": "pivot", "step": [1], "phase": 1}\n'
+                                     b'{"event": "eval", "step": null, "heldout_loss": 4.0}\n',
+    'eval without its loss': b'{"event": "eval", "step": 2}\n'
+                             b'{"event": "eval", "step": 3, "heldout_loss": "4"}\n',
+}
+
+
+@pytest.mark.parametrize('case', [*FOREIGN_LOSSES, *FOREIGN_EVENTS])
+def test_plot_passes_over_rows_jaxckpt_does_not_write(tmp_path, capsys, case):
+  from jaxckpt.records import plot
+  workdir = _records(tmp_path / 'run', FOREIGN_LOSSES.get(case, b''), FOREIGN_EVENTS.get(case, b''))
+  code, stdout, err = call_cli(['plot', f'--workdir={workdir}'], capsys)
+  assert 'Traceback' not in err
+  assert code == 0 and stdout == f'{workdir / "loss.png"}\n' and err == '', err
+  assert (workdir / 'loss.png').read_bytes().startswith(PNG)
+  history, events = plot.read_records(workdir)  # what was drawn: the rows jaxckpt wrote
+  assert {step: row['loss'] for step, row in history.items()} == {1: 4.9, 2: 4.8, 3: 4.7, 4: 4.6}
+  assert all(type(e['step']) is int for e in events)
+
+
+@pytest.mark.parametrize('name', ['loss.jsonl', 'events.jsonl'])
+@pytest.mark.parametrize('case, says', [
+    ('directory', 'is a directory, not a file'),
+    ('symlink loop', 'cannot be read: Too many levels of symbolic links'),
+    pytest.param('pipe', 'is a pipe or a device, not a file', marks=pytest.mark.timeout(30)),
+    ('no permission', 'cannot be read: Permission denied'),
+])
+def test_plot_refuses_a_records_file_it_cannot_read(tmp_path, capsys, name, case, says):
+  workdir = _records(tmp_path / 'run', b'', b'{"event": "resumed", "step": 2}\n')
+  path = workdir / name
+  path.unlink()
+  if case == 'directory':
+    path.mkdir()
+  elif case == 'symlink loop':
+    path.symlink_to(path)
+  elif case == 'pipe':
+    os.mkfifo(path)  # no writer: reading it would wait forever
+  else:
+    if os.geteuid() == 0:
+      pytest.skip('root reads any file')
+    path.write_text('{}\n')
+    path.chmod(0)
+  code, stdout, err = call_cli(['plot', f'--workdir={workdir}'], capsys)
+  line = one_line(code, err, 'E-PLOT-001')
+  assert not stdout and f'{path} {says}' in line and 'point --workdir at another run' in line
+  assert not (workdir / 'loss.png').exists()
+
+
 # ------------------------------------------------------------------------------------- pivot
 def test_a_second_pivot_in_a_row_is_refused_and_records_nothing(run, tmp_path, capsys):
   workdir = copy_of(run, tmp_path)

@@ -2,6 +2,10 @@
 the held-out losses: the trainer's (`--config.train.eval_every`) and `jaxckpt evaluate`'s
 (`evaluated.json`; one that is not such a file is said on stderr and not drawn).
 
+Rows of `loss.jsonl` and `events.jsonl` that are not what jaxckpt writes (a step or segment that
+is no whole number, a loss that is no number, a line that is not UTF-8 JSON) are passed over, and
+what is sound is drawn; a records file that cannot be read at all is refused (E-PLOT-001).
+
 `--out` names the file, and its suffix the format (any matplotlib writes: `.png`, `.pdf`,
 `.svg`, ...); a name without a suffix gets `.png`, and a directory (an existing one, or any name
 ending in `/`) gets `loss.png` in it.
@@ -18,7 +22,7 @@ from pathlib import Path
 
 from jaxckpt.checkpoint import atomic
 from jaxckpt.errors import UsageError
-from jaxckpt.records.runlog import EVENTS, read_evals, read_jsonl, read_loss_history
+from jaxckpt.records.runlog import EVENTS, current, read_evals, read_jsonl
 from jaxckpt.records.workdir import EVALUATED, LOSSES
 
 DEFAULT_NAME = 'loss.png'
@@ -27,25 +31,22 @@ DEFAULT_NAME = 'loss.png'
 def plot(workdir: str | Path, out: str | Path | None = None) -> Path:
   """Draws the loss history of `workdir`; returns the path written (see `output_path`)."""
   workdir = Path(workdir)
-  history = _loss_history(workdir)
+  history, events = read_records(workdir)
   out = output_path(workdir, out)
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  events = read_jsonl(workdir / EVENTS)
   fig, ax = plt.subplots(figsize=(9, 4.5), dpi=110)
   ax.plot(
-      list(history), [r.get('loss', math.nan) for r in history.values()],
+      list(history), [float(r['loss']) for r in history.values()],
       lw=1.0,
       color='tab:blue',
       label='training loss')
-  marks = [(e['step'], 'resumed', 'tab:green', '--')
-           for e in events
-           if e.get('event') == 'resumed' and 'step' in e]
+  marks = [(e['step'], 'resumed', 'tab:green', '--') for e in events if e.get('event') == 'resumed']
   marks += [(e['step'], f'pivot to phase {e.get("phase", "?")}', 'tab:red', '-')
             for e in events
-            if e.get('event') == 'pivot' and 'step' in e]
+            if e.get('event') == 'pivot']
   labelled = set()
   for step, label, color, style in marks:
     kind = label.split()[0]
@@ -80,20 +81,68 @@ def plot(workdir: str | Path, out: str | Path | None = None) -> Path:
   return out
 
 
-def _loss_history(workdir: Path) -> dict:
+def read_records(workdir: Path) -> tuple[dict[int, dict], list[dict]]:
+  """What `plot` draws of `workdir`: ({step: loss row} as the history stands, the events), with
+  the rows that are not what jaxckpt writes passed over. Refuses (E-PLOT-001) a workdir that is
+  not a run's, a records file that cannot be read and a history with no sound row."""
   if not workdir.is_dir():
     what = 'is a file, not a run directory' if workdir.exists() else 'does not exist'
     raise UsageError('E-PLOT-001', f'{workdir} {what}',
                      'point --workdir at the directory of a run that has trained')
-  try:
-    history = read_loss_history(workdir)
-  except OSError as e:
-    raise UsageError('E-PLOT-001', f'{workdir / LOSSES} cannot be read: {e.strerror or e}',
-                     'point --workdir at a run you can read') from None
+  rows = [r for r in _read(workdir / LOSSES) if _sound_loss(r)]
+  events = [e for e in _read(workdir / EVENTS) if _sound_event(e)]
+  # As `runlog.read_loss_history`, on the sound rows: the newest segment's, cut where a later
+  # start went back.
+  history = current(((r['step'], r['segment'], r) for r in rows), events)
   if not history:
     raise UsageError('E-PLOT-001', f'{workdir} has no loss history ({LOSSES})',
                      'point --workdir at a run that has trained')
-  return history
+  return history, events
+
+
+def _read(path: Path) -> list[dict]:
+  """The rows of the records file `path` ([] when there is none); one that cannot be read at all
+  (a directory, a pipe, no permission) is E-PLOT-001."""
+  fix = 'make it a file you can read, or point --workdir at another run'
+  try:
+    if path.exists() and not path.is_file():  # a pipe or a device would be read forever
+      what = 'a directory' if path.is_dir() else 'a pipe or a device'
+      raise UsageError('E-PLOT-001', f'{path} is {what}, not a file', fix)
+    return read_jsonl(path)
+  except OSError as e:
+    raise UsageError('E-PLOT-001', f'{path} cannot be read: {e.strerror or e}', fix) from None
+
+
+def _whole(value) -> bool:
+  """Whether `value` is a step or a segment as jaxckpt writes them: an int of 0 or more (not a
+  bool, a float, a string, None)."""
+  return type(value) is int and 0 <= value < 2**63  # pylint: disable=unidiomatic-typecheck
+
+
+def _number(value) -> bool:
+  """Whether `value` is a loss as jaxckpt writes it: a float (NaN for a diverged step) or int."""
+  if type(value) not in (int, float):  # pylint: disable=unidiomatic-typecheck
+    return False  # a bool, a string, None, a list
+  try:
+    float(value)
+  except OverflowError:  # an int past what a float holds
+    return False
+  return True
+
+
+def _sound_loss(row: dict) -> bool:
+  return _whole(row.get('step')) and _whole(row.get('segment')) and _number(row.get('loss'))
+
+
+def _sound_event(e: dict) -> bool:
+  """Whether `e` can be drawn: the steps of resumes, pivots and evals are steps, an eval's loss a
+  number. (A `started` event's fields are read with care: `runlog.cuts`.)"""
+  kind = e.get('event')
+  if kind in ('resumed', 'pivot'):
+    return _whole(e.get('step'))
+  if kind == 'eval':
+    return _whole(e.get('step')) and _number(e.get('heldout_loss'))
+  return True
 
 
 def evaluated_losses(workdir: Path) -> dict[int, float]:

@@ -31,7 +31,7 @@ from jaxckpt.records.workdir import EVENTS, LOSSES, STATUS
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
   rows = []
   try:
-    lines = path.read_text().splitlines()
+    lines = _lines(path.read_bytes())
   except FileNotFoundError:
     return rows
   for line in lines:
@@ -42,6 +42,24 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if isinstance(row, dict):  # a record; anything else is no line of ours
       rows.append(row)
   return rows
+
+
+def _lines(data: bytes) -> list[str]:
+  """The lines of `data`, less those that are not UTF-8: bytes no jaxckpt wrote (a line of ours is
+  ASCII) are passed over as a line cut short is."""
+  try:
+    return data.decode().splitlines()
+  except UnicodeDecodeError:
+    lines = data.decode(errors='surrogateescape').splitlines()
+    return [line for line in lines if _utf8(line)]
+
+
+def _utf8(line: str) -> bool:
+  try:
+    line.encode()  # the bytes that were not UTF-8 are lone surrogates here, which do not encode
+  except UnicodeEncodeError:
+    return False
+  return True
 
 
 def _segment(e: Mapping[str, Any], ordinal: int) -> int:
