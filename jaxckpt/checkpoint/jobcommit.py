@@ -90,12 +90,13 @@ def post(group: Group,
   records = group.collect(f'{seq}/durable', f'checkpoint step {step}', record)
   if records is None:
     return None
+  heads = [json.loads(r.partition('\n')[0]) for r in records]  # each read once, here
   if kept is not None and not group.shared:
-    for posted in records:
-      retention.merge(kept, json.loads(posted.partition('\n')[0]).get('kept'))
+    for head in heads:
+      retention.merge(kept, head.get('kept'))
   files, shards = shardtable.merge_records(records, expect=group.count, grid=grid)
   replicas.keep_matching(tmp, held, files)
-  posted = [json.loads(r.partition('\n')[0]).get('replicas') for r in records]
+  posted = [head.get('replicas') for head in heads]
   copies = replicas.confirmed(posted, files) if any(posted) else None
   files[shardtable.SHARDS] = shardtable.write(tmp / shardtable.SHARDS, shards)
   return files, copies

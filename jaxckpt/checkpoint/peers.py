@@ -286,17 +286,15 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
     elif got is not None:  # checked against the manifest before it goes into a step directory
       local(lambda got=got, name=name: _write_own(work / name, got, plan['own'][name], step))
   pairs, reads = [], []  # (part, from, to); a part no process holds is read from the remote
+  load: dict[int, int] = {}  # the bytes each process reads from the remote, which the rest wait for
   for rel, source, receivers in plan['moves']:  # first, by the receiver named first
     if source == -1:
       source = receivers[0]
       reads += [rel] if me == source else []
+      load[source] = load.get(source, 0) + plan['files'][rel]['size']
     pairs += [(rel, source, k) for k in receivers if k != source]
   if reads:
     sources['remote'] = local(lambda: remote.fetch(step, reads, work, plan['files'])) or 0
-  load: dict[int, int] = {}  # the bytes each process reads from the remote, which the rest wait for
-  for rel, source, receivers in plan['moves']:
-    if source == -1:
-      load[receivers[0]] = load.get(receivers[0], 0) + plan['files'][rel]['size']
   gate(
       'sends', f'the sends of step {step}' + (f' after process(es) {sorted(load)} read '
                                               f'{sum(load.values()) / 1e6:.1f} MB of it from the '
