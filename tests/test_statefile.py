@@ -108,6 +108,41 @@ def test_placing_sees_every_tensor_once(written):
   assert sorted(n for b in batches for n in b) == sorted(state) and len(got) == len(state)
 
 
+@pytest.mark.parametrize('whole', [True, False])
+def test_a_read_holds_two_windows_of_host_memory_not_the_state(tmp_path, monkeypatch, whole):
+  """On an accelerator the read buffers are copied to the device and dropped: a read allocates
+  a buffer per window of tensors (a larger tensor: its own), the next one while this one is
+  placed, never one for the whole state."""
+  state = {f'w/{i}': np.full(3000 + i, i, np.float32) for i in range(8)}  # ~12 KB each
+  state['big'] = np.arange(40_000, dtype=np.int32)  # 160 KB: over the window
+  files, crcs = statefile.write(tmp_path, state)
+  monkeypatch.setattr(statefile, '_WINDOW', 32 << 10)
+  buffers = []
+
+  def recorded(*args, **kw):
+    buffers.append(real(*args, **kw))
+    return buffers[-1]
+
+  real = statefile.aligned_empty
+  monkeypatch.setattr(statefile, 'aligned_empty', recorded)
+  taken = []  # which buffer each placed batch lies in, and how many were allocated by then
+
+  def place(batch):
+    for x in batch.values():
+      at = next(i for i, b in enumerate(buffers) if np.shares_memory(b, x))
+      taken.append((at, len(buffers)))
+    return batch
+
+  expect = {'expect_crc32': files[statefile.file_name(0)]['crc32']
+           } if whole else {'tensor_crc32': crcs}
+  got = statefile.read(tmp_path, None if whole else sorted(state), place=place, **expect)
+  assert all(same(got[n], x) for n, x in state.items())
+  data = [b for b in buffers if b.nbytes > directio.ALIGN]  # the header's own read aside
+  largest = max(b.nbytes for b in data if not np.shares_memory(b, got['big']))
+  assert len(data) >= 4 and largest <= (32 << 10) + 2 * directio.ALIGN
+  assert all(allocated <= at + 2 for at, allocated in taken)  # this window and the next
+
+
 def flip(path, offset):
   with open(path, 'r+b') as f:
     f.seek(offset)

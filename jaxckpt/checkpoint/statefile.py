@@ -20,10 +20,12 @@ hole, as the reference parser demands. What makes it fast:
   CRCs as strings in `__metadata__` (`crc32/<name>`), so the file describes itself; the manifest
   has them too.
 
-Reads mirror it: reader threads fill one page-aligned buffer per run of wanted tensors with
-O_DIRECT while this thread checks CRCs and hands finished tensors, as views, to `place`. A header
-that lies (about offsets, shapes, dtypes or its own length), a truncated or padded file, or a
-hole between tensors is a one-line `E-CKPT-012` naming the file; nothing is read out of bounds.
+Reads mirror it: reader threads fill page-aligned buffers with O_DIRECT, a window of at most
+256 MiB of tensors at a time (a larger tensor is one of its own) and the next one in flight,
+while this thread checks CRCs and hands finished tensors, as views, to `place`: a restore onto
+an accelerator holds two windows of host memory, not the state. A header that lies (about
+offsets, shapes, dtypes or its own length), a truncated or padded file, or a hole between
+tensors is a one-line `E-CKPT-012` naming the file; nothing is read out of bounds.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ FORMAT = 'jaxckpt.safetensors'
 SUFFIX = '.safetensors'
 MAX_HEADER = 100_000_000  # the reference implementation's limit
 _CHUNK = 64 << 20
+_WINDOW = 256 << 20  # a run is read this much at a time: a restore's host buffers stay bounded
 _READERS = 4  # mostly in the kernel (faulting pages in, waiting on the disk): a few beyond 2 cores
 _UNSET = '00000000'
 _ALIGN_TO = 64
@@ -358,8 +361,16 @@ def read(
   try:
     crc = crc32(_read_exact(fd, header_len, 0)) if whole else 0
     with concurrent.futures.ThreadPoolExecutor(_READERS, thread_name_prefix='jaxckpt-read') as pool:
-      for run in _runs(entries, wanted):
-        crc = _read_run(pool, fd, path, header_len, entries, run, crc, whole, expect, place, out)
+      # A window is taken while the next one is read: two windows' buffers at most are held
+      # here, whatever the state's size (on the CPU they become the arrays).
+      windows = collections.deque(_windows(entries, wanted))
+      ahead = collections.deque(
+          [_submit(pool, fd, header_len, entries, windows.popleft())] if windows else [])
+      while ahead:
+        submitted = ahead.popleft()
+        if windows:
+          ahead.append(_submit(pool, fd, header_len, entries, windows.popleft()))
+        crc = _take(path, header_len, entries, submitted, crc, whole, expect, place, out)
   finally:
     os.close(fd)
   if whole and f'{crc:08x}' != expect_crc32:
@@ -373,31 +384,38 @@ def _read_exact(fd: int, n: int, offset: int) -> bytes:
   return bytes(buf[:n])
 
 
-def _runs(entries: Mapping[str, Any], wanted: list[str]) -> list[list[str]]:
-  """`wanted` (in file order) grouped into runs that lie back to back in the file."""
-  runs: list[list[str]] = []
-  end = -1
+def _windows(entries: Mapping[str, Any], wanted: list[str]) -> list[list[str]]:
+  """`wanted` (in file order) cut into windows: tensors back to back in the file, at most
+  `_WINDOW` bytes of them (a larger tensor is a window of its own)."""
+  windows: list[list[str]] = []
+  end = size = -1
   for name in wanted:
     b, e = entries[name]['data_offsets']
-    if runs and b == end:
-      runs[-1].append(name)
-    else:
-      runs.append([name])
-    end = e
-  return runs
+    if b != end or size + e - b > _WINDOW:
+      windows.append([])
+      size = 0
+    windows[-1].append(name)
+    size, end = size + e - b, e
+  return windows
 
 
-def _read_run(pool, fd, path, header_len, entries, run, crc, whole, expect, place, out) -> int:
-  """Read one run of tensors into an aligned buffer, chunk by chunk, placing each tensor as soon
-  as the chunks it lies in have landed."""
-  start = header_len + entries[run[0]]['data_offsets'][0]
-  stop = header_len + entries[run[-1]]['data_offsets'][1]
+def _submit(pool, fd, header_len, entries, window):
+  """Start reading `window` into a page-aligned buffer of its own, a chunk per reader."""
+  start = header_len + entries[window[0]]['data_offsets'][0]
   lo = start // ALIGN * ALIGN  # O_DIRECT reads whole aligned blocks
+  stop = header_len + entries[window[-1]]['data_offsets'][1]
   buf = aligned_empty((padded(stop - lo),), np.uint8, populate=False)
   view = memoryview(buf)
   jobs = [(at, pool.submit(pread_into, fd, view[at:at + _CHUNK], lo + at))
           for at in range(0, len(view), _CHUNK)]
-  pending, done = collections.deque(run), 0  # a list's pop(0) is quadratic in tensors
+  return window, start, stop, lo, buf, jobs
+
+
+def _take(path, header_len, entries, submitted, crc, whole, expect, place, out) -> int:
+  """Check and place one window's tensors, each as soon as the chunks it lies in have landed."""
+  window, start, stop, lo, buf, jobs = submitted
+  view = memoryview(buf)
+  pending, done = collections.deque(window), 0  # a list's pop(0) is quadratic in tensors
   for at, job in jobs:
     got = job.result()
     done = at + got
