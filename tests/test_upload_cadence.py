@@ -3,6 +3,8 @@
 
 The 3-process run with `--replicas=1 --remote_every=3` is in test_peers_training.py."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import pytest
 from conftest import committed_steps, events_of, remote_steps, tiny_config
@@ -11,6 +13,7 @@ from jaxckpt.checkpoint import CheckpointManager, CheckpointOptions, cadence
 from jaxckpt.checkpoint.remote import Store
 from jaxckpt.errors import ConfigError
 from jaxckpt.hosts import distributed
+from jaxckpt.hosts.remote import RemoteRun
 from jaxckpt.hosts.upload_cadence import UploadCadence
 from jaxckpt.records.runlog import RunLog, read_status
 from jaxckpt.train.config import validate_config
@@ -132,3 +135,31 @@ def test_the_cost_of_an_upload_is_measured_against_the_loops_step_boundaries():
   position[0] = (112.5, 1100, 6.5)  # no step ended while it ran: no sample
   up.uploaded(0.5)
   assert up.delta_s == pytest.approx(0.5)
+
+
+def test_a_commit_the_peers_do_not_cover_goes_up_whatever_remote_every_says(tmp_path):
+  """With `--replicas`, a commit whose word says a part has no confirmed copy on another host
+  (`CommitInfo.replicas == 0`) is uploaded though `--remote_every` passes it over, is said
+  (`replicas_short`), and counts durable only once up; a covered one is durable when committed."""
+  workdir, url = tmp_path / 'run', f'file://{tmp_path}/bucket/run'
+  config = tiny_config(
+      **{'checkpoint.remote': url, 'checkpoint.remote_every': 3, 'checkpoint.replicas': 1})
+  ckpt_dir, options = workdir / 'checkpoints', CheckpointOptions(keep=0)
+  (tmp_path / 'bucket').mkdir()
+  infos = []
+  with RemoteRun.opened(config, workdir) as run:
+    run.attach(RunLog(workdir), options, ckpt_dir)
+    run.started(None, ckpt_dir, 0)
+    durable = run.chain(lambda: True)
+    with CheckpointManager(ckpt_dir, options, on_commit=infos.append) as mgr:
+      for step, copies in ((5, 1), (10, 0), (15, 1)):
+        mgr.save(step, {'w': jnp.full(8, float(step))})
+        mgr.wait_until_finished()
+        run.on_commit(dataclasses.replace(infos[-1], replicas=copies))
+        if step == 10:
+          assert run.uploader.wait(10, timeout=60)
+          assert run.durable(10) and durable()  # up: durable now, not before
+      assert durable()  # 15: the peers hold a copy of every part, not uploaded
+      assert run.uploader.wanted_step is None  # 15 not sent
+  assert [e['step'] for e in events_of(workdir, 'replicas_short')] == [10]
+  assert remote_steps(Store(url))[:1] == [10]  # 5 was passed over; the end sends the last (15)
