@@ -37,8 +37,8 @@ def expected(specs=SPECS) -> dict[str, np.ndarray]:
 def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   """`save STEP...` (replicas=1; each commit printed with its confirmed replica count), or `restore` (the peer tier brings this process's directory to
   what it needs; then every shard is checked and the sources printed as JSON). `-split`: the
-  arrays of `SPLIT` alone; `-slow`: process 1's reads of the remote take 12 s, and the restore's
-  group waits 6 s; `-cut`: process 0's shard table is cut short as it sends it; `-eio`: process
+  arrays of `SPLIT` alone; `-slow`: process 1's reads of the remote's parts take 12 s, process
+  0's of its own files too, and the restore's group waits 6 s; `-cut`: process 0's shard table is cut short as it sends it; `-eio`: process
   0's disk fails while it plans; `-flip` (save): process 2's replica of step 10 differs from its
   owner's part."""
   specs, slow = SPLIT if '-split' in cmd else SPECS, '-slow' in cmd
@@ -94,6 +94,9 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
     timeout, fetch = 6, remote.fetch
     if process == 1:
       remote.fetch = lambda *a: (time.sleep(12), fetch(*a))[1]
+    if process == 0:  # the checkpoint's own files too, read while the others wait for its word
+      meta = remote.meta
+      remote.meta = lambda *a: (time.sleep(12), meta(*a))[1]
     multihost.Group(60).sync('ready', 'every process ready')  # none late from start-up
   if '-cut' in cmd and process == 0:  # its disk fails while it sends the shard table
     send = sends.broadcast
@@ -285,7 +288,9 @@ def test_the_others_wait_for_a_slow_read_of_the_remote_past_the_groups_timeout(
     tmp_path, compile_cache, s3_server):
   """Every disk wiped, every array split: each process reads its own part from the remote and
   needs no other, so no collective holds the others while process 1's read takes twice the
-  group's timeout; they wait for it, sized by the bytes it reads, and every restore completes."""
+  group's timeout; they wait for it, sized by the bytes it reads, and every restore completes.
+  Before that, process 0's read of the checkpoint's own files takes as long: the others wait
+  for its word as long as it said it needs (sized by those files and the records)."""
   _run(tmp_path, compile_cache, 'save-split', '10')
   url, whole = _uploaded_and_wiped(tmp_path, s3_server)
   results = _results(_run(tmp_path, compile_cache, 'restore-split-slow', url, '10'))

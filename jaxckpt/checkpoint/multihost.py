@@ -171,14 +171,37 @@ class Group:
                  what: str,
                  fix: str = 'process 0 stopped or was lost; nothing was committed') -> str:
     """Process 0's word on `name` (its commit: 'ok' or the error); E-DIST-002 past the timeout,
-    with `fix`."""
+    with `fix`. Where process 0 said its work on `name` takes longer (`allow`), the wait goes
+    on that much more."""
+    key, waited = f'{self.prefix}/{name}/word', self.timeout_secs
     try:
-      return self._client.blocking_key_value_get(f'{self.prefix}/{name}/word',
-                                                 int(self.timeout_secs * 1000))
+      return self._client.blocking_key_value_get(key, int(waited * 1000))
     except Exception as e:  # pylint: disable=broad-except
-      raise CheckpointError(
-          'E-DIST-002', f'{what}: no word from process 0 within {self.timeout_secs:g} s '
-          f'({" ".join(str(e).split())[:160]})', fix) from None
+      why = ' '.join(str(e).split())[:160]
+    more = self._allowed(name)
+    if more is not None:
+      try:
+        return self._client.blocking_key_value_get(key, max(1, int(more * 1000)))
+      except Exception as e:  # pylint: disable=broad-except
+        waited, why = waited + more, ' '.join(str(e).split())[:160]
+    said = '' if more is None else (
+        f": the group's {self.timeout_secs:g} s and the {more:g} s more it said it needs")
+    raise CheckpointError('E-DIST-002',
+                          f'{what}: no word from process 0 within {waited:g} s{said} ({why})',
+                          fix) from None
+
+  def allow(self, name: str, seconds: float) -> None:
+    """Process 0, before work on `name` that may outlast the group's timeout: the others wait
+    `seconds` more for its word (sized by that work)."""
+    self._client.key_value_set(
+        f'{self.prefix}/{name}/allow', f'{seconds:.3f}', allow_overwrite=True)
+
+  def _allowed(self, name: str) -> float | None:
+    try:
+      seconds = float(self._client.key_value_try_get(f'{self.prefix}/{name}/allow'))
+    except Exception:  # pylint: disable=broad-except  # not said, or not a number
+      return None
+    return seconds if 0 < seconds < float('inf') else None
 
   def forget(self, name: str) -> None:
     """Drop the keys of a finished exchange (every process has read them)."""

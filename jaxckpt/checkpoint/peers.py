@@ -29,8 +29,10 @@ still hold the bytes between them:
 Each process then restores from its own step directory as from any other, reading only the byte
 ranges its devices need. The `Group` waits are bounded by its timeout, and every process waits
 at one before the collectives (the one before the sends also for the slowest read of the
-remote, at `FETCH_FLOOR`), so a process that never comes is named; a process lost in the middle
-of a collective, which has no timeout, is seen by the job's own heartbeats.
+remote, at `FETCH_FLOOR`; the wait for process 0's word while it reads the remote checkpoint's
+own files, for those bytes at the same rate), so a process that never comes is named; a
+process lost in the middle of a collective, which has no timeout, is seen by the job's own
+heartbeats.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class Remote:
   seal: str | None
   fetch: Callable[[int, list[str], Path, Mapping[str, Any]], int]
   meta: Callable[[int, Path], Any] | None = None
+  meta_bytes: int = 0  # what `meta` reads: the others wait for it at `FETCH_FLOOR`
 
 
 @dataclasses.dataclass
@@ -112,11 +115,12 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
                             'fix what it names on process 0, then start every process again')
     return word
 
-  def choose() -> dict[str, Any] | None:
+  def choose(name: str) -> dict[str, Any] | None:
     word = _next(ckpt_dir, views, remote, tried)
     if word is None and remote is not None and remote.meta is not None and \
         remote.step is not None and str(remote.step) not in views[0]:
       try:  # nothing newer is whole here: the remote's newest, its parts read once below
+        group.allow(name, remote.meta_bytes / FETCH_FLOOR)
         remote.meta(remote.step, ckpt_dir)
         views[0] = held(ckpt_dir)
         word = _next(ckpt_dir, views, remote, tried)
@@ -144,7 +148,8 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
   # Each round returns, raises, or passes one commit over for good (`tried`): as many rounds
   # as commits, at most.
   for round_ in itertools.count():
-    word = decide(f'peers/try/{round_}', choose)
+    name = f'peers/try/{round_}'
+    word = decide(name, lambda: choose(name))  # pylint: disable=cell-var-from-loop
     if word is None:
       return None
     if 'stranded' in word:  # every process raises it together

@@ -19,21 +19,26 @@ def peer_source(store: Store,
                 inspect: bool = True,
                 on_records: Callable[[int, dict[str, bytes]], Any] = lambda step, records: None):
   """`peers.Remote` for remote checkpoint `step` (its newest intact one; None: none there);
-  its seal read from the store when `inspect` (the process that decides). Its `meta` downloads
-  the checkpoint's own files (`objects.download` of none of its parts) and hands the records
-  that came with them to `on_records(step, records)` before the checkpoint is published: a start
-  that finds it published never downloads it again, so its records would not come after it."""
+  its seal (and the bytes `meta` reads) from the store when `inspect` (the process that
+  decides). Its `meta` downloads the checkpoint's own files (`objects.download` of none of its
+  parts) and hands the records that came with them to `on_records(step, records)` before the
+  checkpoint is published: a start that finds it published never downloads it again, so its
+  records would not come after it."""
   from ..peers import Remote  # pylint: disable=import-outside-toplevel
-  seal = None
+  seal, size = None, 0
   if step is not None and inspect:
-    raw, _, _, problems = objects.inspect(store, step)
-    seal = manifest.seal_of(raw) if raw is not None and not problems else None
+    raw, m, meta, problems = objects.inspect(store, step)
+    if raw is not None and not problems:
+      seal = manifest.seal_of(raw)
+      own = [w['size'] for rel, w in m['files'].items() if not rel.startswith(layout.STATE_DIR)]
+      size = len(raw) + sum(own) + sum(r['size'] for r in meta.get('records', {}).values())
   return Remote(
       step if seal or not inspect else None,
       seal,
       lambda at, rels, into, expect: fetch_files(store, at, rels, into, expect),
       meta=lambda at, ckpt_dir: objects.download(
-          store, at, ckpt_dir, only=(), before_publish=lambda records: on_records(at, records)))
+          store, at, ckpt_dir, only=(), before_publish=lambda records: on_records(at, records)),
+      meta_bytes=size)
 
 
 def fetch_files(store: Store,
