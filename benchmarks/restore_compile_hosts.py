@@ -4,7 +4,7 @@ the other and overlapped.
     python -m benchmarks.restore_compile_hosts --config=120m --processes=2 --repeats=2
 
 `benchmarks.restore_compile` measures one process. Across processes a restore reads, on each
-process, the byte ranges of the state files its devices hold (`multihost.restore`); it used to
+process, the byte ranges of the state files its devices hold (`boxrestore.restore`); it used to
 run `meanwhile` (the trainer's compile of its first step) first and read after it. Now each
 process reads its byte ranges on a thread of its own while its compile runs, and places them
 once both are done.

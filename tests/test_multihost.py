@@ -110,8 +110,8 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
     os._exit(0)
   # The trainer compiles its first step `meanwhile`: each process reads its byte ranges beside
   # it (orbax reads after it), so a read that waited for `meanwhile` would fail here.
-  from jaxckpt.checkpoint import multihost, reading
-  read, real, readers = threading.Event(), multihost.read_boxes, []
+  from jaxckpt.checkpoint import boxrestore, reading
+  read, real, readers = threading.Event(), boxrestore.read_boxes, []
 
   def watched(*args, **kwargs):
     readers.append(threading.current_thread().name)
@@ -124,7 +124,7 @@ def worker(cmd: str, process: int, count: int, coordinator: str, directory: str,
     if storage != 'orbax':
       assert read.wait(60), f'process {process} read nothing while meanwhile ran'
 
-  multihost.read_boxes = watched
+  boxrestore.read_boxes = watched
   state, run_state = mgr.restore(step, target, meanwhile=meanwhile)
   assert readers == ([reading.READER] if storage != 'orbax' else []), readers
   assert run_state['note'] == 'hello', run_state

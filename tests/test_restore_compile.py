@@ -304,9 +304,9 @@ def test_a_restart_whose_read_never_returns_exits_instead_of_hanging(trainer, tm
 
 def test_the_stuck_bound_across_files_covers_every_byte_the_read_reads(tmp_path, monkeypatch):
   """Beside `meanwhile`, a restore from several files is E-CKPT-017 after 120 s + a second per
-  20 MB of `multihost.read_bound`: that must cover what the read reads, not what it keeps. A box
+  20 MB of `boxrestore.read_bound`: that must cover what the read reads, not what it keeps. A box
   that cuts a shard's columns reads most of its rows: here 4 column strips of a 1 MiB shard."""
-  from jaxckpt.checkpoint import boxread, manifest, multihost, shardtable
+  from jaxckpt.checkpoint import boxread, boxrestore, manifest, shardtable
   from jaxckpt.checkpoint.formats import data_file
   mesh = Mesh(np.array(jax.devices()[:4]).reshape(1, 4), ('data', 'model'))
   x = jax.device_put(np.arange(512 * 512, dtype=np.float32).reshape(512, 512))
@@ -322,10 +322,46 @@ def test_the_stuck_bound_across_files_covers_every_byte_the_read_reads(tmp_path,
   monkeypatch.setattr(boxread, 'pread_into',
                       lambda fd, view, at: read.append(len(view)) or real(fd, view, at))
   monkeypatch.setattr(boxread, 'WINDOW', 64 << 10)  # windows of rows, as for a large shard
-  held = multihost.held_boxes(want)
-  boxes = multihost.read_boxes(step_dir, shards, held, checksums=True)
+  held = boxrestore.held_boxes(want)
+  boxes = boxrestore.read_boxes(step_dir, shards, held, checksums=True)
   kept = sum(b.nbytes for b in boxes['w'].values())
   assert kept == x.nbytes  # the 4 strips: the whole array once
-  assert kept < sum(read) <= multihost.read_bound(shards, held) == 4 * x.nbytes
-  restored = multihost.place(want, boxes)['w']
+  assert kept < sum(read) <= boxrestore.read_bound(shards, held) == 4 * x.nbytes
+  restored = boxrestore.place(want, boxes)['w']
   assert np.asarray(restored).tobytes() == np.asarray(x).tobytes()
+
+
+def test_across_files_a_restore_reads_and_places_a_window_of_arrays_at_a_time(
+    tmp_path, monkeypatch):
+  """Without `meanwhile`, a restore by boxes reads a window of arrays (at most `PLACE_WINDOW`
+  bytes of boxes; a larger array alone) and places it before it reads the next: onto an
+  accelerator the host then holds a window, not the state."""
+  from jaxckpt.checkpoint import boxrestore, manifest, shardtable
+  from jaxckpt.checkpoint.formats import data_file
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ('data', 'model'))
+  state = {f'w{i}': jax.device_put(np.full((64, 32), i, np.float32)) for i in range(6)}  # 8 KiB
+  state['big'] = jax.device_put(np.arange(128 * 128, dtype=np.float32).reshape(128, 128))
+  with CheckpointManager(tmp_path, CheckpointOptions(mode='sync')) as mgr:
+    mgr.save(1, state)
+  step_dir = tmp_path / 'step_00000001'
+  meta = manifest.read(step_dir)
+  shards = shardtable.shard_table(step_dir, meta, data_file(meta))
+  want = {
+      n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P('data', 'model')))
+      for n, x in state.items()
+  }
+  monkeypatch.setattr(boxrestore, 'PLACE_WINDOW', 20 << 10)
+  events, real_read, real_place = [], boxrestore.read_boxes, boxrestore.place
+  monkeypatch.setattr(
+      boxrestore, 'read_boxes', lambda _d, _s, held, **kw: (events.append(
+          ('read', sorted(held))), real_read(_d, _s, held, **kw))[1])
+  monkeypatch.setattr(
+      boxrestore, 'place', lambda w, boxes: (events.append(
+          ('place', sorted(w))), real_place(w, boxes))[1])
+  got = boxrestore.restore(step_dir, shards, want, checksums=True)
+  assert all(np.asarray(got[n]).tobytes() == np.asarray(x).tobytes() for n, x in state.items())
+  reads = [names for kind, names in events if kind == 'read']
+  assert len(reads) >= 4 and ['big'] in reads  # 64 KiB: a window of its own
+  assert all(sum(state[n].nbytes for n in names) <= 20 << 10 for names in reads if names != ['big'])
+  assert [kind for kind, _ in events
+         ] == ['read', 'place'] * len(reads)  # each placed, then the next

@@ -29,6 +29,11 @@ _READERS = 4
 WINDOW = 64 << 20  # bytes a part not read straight into its place is read in, at most at once
 
 
+def box_of(index, shape) -> Box:
+  """The box a device's index (a tuple of slices into the global shape) covers."""
+  return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
+
+
 class _Files:
   """Open state files and their headers, each read once."""
 
@@ -52,11 +57,17 @@ class _Files:
       os.close(fd)
 
 
-def fill(step_dir: Path, shards: shardtable.Table, boxes: Mapping[str, dict[Box, Any]],
-         dtypes: Mapping[str, Any], *, checksums: bool) -> None:
+def fill(step_dir: Path,
+         shards: shardtable.Table,
+         boxes: Mapping[str, dict[Box, Any]],
+         dtypes: Mapping[str, Any],
+         *,
+         checksums: bool,
+         files: '_Files | None' = None) -> None:
   """Fill each buffer `boxes[array][box]` (a host array of the box's extent) from the shards
-  that overlap it, reading only the byte range of each shard that covers the overlap."""
-  files = _Files(step_dir)
+  that overlap it, reading only the byte range of each shard that covers the overlap. `files`:
+  `open_files(step_dir)`, kept open by a caller that fills several times (closed by it)."""
+  own, files = files is None, files or _Files(step_dir)
   jobs = []
   try:
     with concurrent.futures.ThreadPoolExecutor(
@@ -90,7 +101,14 @@ def fill(step_dir: Path, shards: shardtable.Table, boxes: Mapping[str, dict[Box,
       for job in jobs:
         job.result()
   finally:
-    files.close()
+    if own:
+      files.close()
+
+
+def open_files(step_dir: Path) -> _Files:
+  """The state files of `step_dir`, opened as `fill` needs them, each header read once, for
+  several `fill`s; `close()` them after."""
+  return _Files(step_dir)
 
 
 def _read_into(fd, offset, shard, local, box, buf, dtype, expect) -> None:

@@ -1,7 +1,7 @@
 """Which state format a checkpoint holds, and reading it whatever it is.
 
     safetensors   state/process_0.safetensors (`statefile`), what jaxckpt writes on one process;
-                  across processes one file per process, its shards (`multihost`)
+                  across processes one file per process, its shards (`boxrestore`)
     raw           state/arrays.bin + index.json (`rawstore`), the first format: read only
     orbax         orbax-checkpoint's tensorstore files (`orbaxstore`), across processes
 
@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from . import layout, manifest, multihost, orbaxstore, rawstore, statefile
+from . import boxrestore, layout, manifest, orbaxstore, rawstore, statefile
 
 SAFETENSORS = 'safetensors'  # the manifest's `storage` of a single-file state (raw: format 1)
 
@@ -64,7 +64,7 @@ def read_host_arrays(step_dir: os.PathLike) -> dict[str, np.ndarray]:
   step_dir = Path(step_dir).absolute()
   meta = manifest.read(step_dir)
   if meta.get('state_files'):  # written by several processes: shards, each CRC checked
-    return multihost.read_host(step_dir, meta)
+    return boxrestore.read_host(step_dir, meta)
   if data_file(meta):
     return read_state_file(step_dir, meta)
   return orbaxstore.read_host(step_dir / layout.STATE_DIR, [t['name'] for t in meta['tensors']])

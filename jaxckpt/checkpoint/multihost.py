@@ -19,7 +19,7 @@ one-line error, and nothing is committed. Where the directory is each host's own
 shared: `Group.open` finds out), every process then commits its own part under the same
 manifest, and the checkpoint is whole only where the parts are brought together (the remote
 tier). A restore reads, on each process, only the byte ranges of the shards its devices need,
-whatever process count and mesh wrote the checkpoint.
+whatever process count and mesh wrote the checkpoint (`boxrestore`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-from . import atomic, layout, shardgrid, shardtable, statefile, traffic
-from .boxread import Box, fill  # noqa: F401  # fill: a box's buffers from the shards
+from . import atomic, layout, shardgrid, shardtable, traffic
+from .boxread import Box
+from .boxread import box_of as _box
 from .errors import CheckpointError
 
 SHARED_PROBE = '.jaxckpt-shared'  # + '-<token>-<k>': process k's; who sees it shares the directory
@@ -226,10 +227,6 @@ def refuse_process_local(leaves: Mapping[str, Any]) -> None:
           'host value (np.asarray) every process has, or leave it out (save(exclude=...))')
 
 
-def _box(index, shape) -> Box:
-  return tuple((s.start or 0, n if s.stop is None else s.stop) for s, n in zip(index, shape))
-
-
 tensor_name = shardgrid.tensor_name
 
 
@@ -350,77 +347,3 @@ def unread(meta: Mapping[str, Any], want: Mapping[str, Any], shards: shardtable.
   """The state files a restore of `want` on this process reads nothing from."""
   needed = needed_files(shards, want, jax.process_count(), local=True)
   return set(state_files(meta)) - needed[jax.process_index()]
-
-
-def restore(step_dir: Path, shards: shardtable.Table, want: Mapping[str, Any], *,
-            checksums: bool) -> dict[str, jax.Array]:
-  """The arrays `want` ({name: target with shape, dtype, sharding}), each process reading just
-  what its devices hold."""
-  return place(want, read_boxes(step_dir, shards, held_boxes(want), checksums=checksums))
-
-
-Held = Mapping[str, tuple[set[Box], np.dtype]]  # {name: (the boxes held here, dtype)}
-
-
-def held_boxes(want: Mapping[str, Any]) -> Held:
-  """{name: (the boxes of it this process's devices hold, each once; its dtype)}."""
-  out = {}
-  for name, x in want.items():
-    shape = tuple(x.shape)
-    out[name] = ({
-        _box(i, shape) for i in x.sharding.addressable_devices_indices_map(shape).values()
-    }, np.dtype(x.dtype))
-  return out
-
-
-def read_bound(shards: shardtable.Table, held: Held) -> int:
-  """At most the bytes `read_boxes` reads from the files for `held`: every shard overlapping a
-  box, whole (a window of a shard is read first byte to last, so a box that cuts a shard's
-  columns reads most of its rows)."""
-  return sum(
-      math.prod(s['shape']) * dtype.itemsize
-      for name, (boxes, dtype) in held.items()
-      for b in boxes
-      for s in shards.overlapping(name, b))
-
-
-def read_boxes(step_dir: Path, shards: shardtable.Table, held: Held, *,
-               checksums: bool) -> dict[str, dict[Box, np.ndarray]]:
-  """{name: {box: host array}} of the boxes `held_boxes` named, read from the files. No jax runs
-  here: a restore reads on a thread of its own beside a compile."""
-  boxes = {
-      name: {b: np.empty([hi - lo for lo, hi in b], dtype) for b in got}
-      for name, (got, dtype) in held.items()
-  }
-  fill(step_dir, shards, boxes, {n: dtype for n, (_, dtype) in held.items()}, checksums=checksums)
-  return boxes
-
-
-def place(want: Mapping[str, Any],
-          boxes: Mapping[str, Mapping[Box, np.ndarray]]) -> dict[str, jax.Array]:
-  """The arrays of `want` built from `read_boxes`'s answer, on their shardings."""
-  return {
-      name:
-          jax.make_array_from_callback(
-              tuple(x.shape), x.sharding, lambda i, b=boxes[name], s=tuple(x.shape): b[_box(i, s)])
-      for name, x in want.items()
-  }
-
-
-def read_host(step_dir: Path, meta: Mapping[str, Any], names=None) -> dict[str, np.ndarray]:
-  """Whole arrays (all, or `names`) of a checkpoint written by several processes, on the host."""
-  rows = [r for r in meta['tensors'] if names is None or r['name'] in names]
-  boxes = {
-      r['name']: {tuple((0, n) for n in r['shape']): np.empty(r['shape'], _dtype(r['dtype']))}
-      for r in rows
-  }
-  fill(
-      step_dir,
-      shardtable.shard_table(step_dir, meta, None),
-      boxes, {r['name']: _dtype(r['dtype']) for r in rows},
-      checksums=True)
-  return {n: next(iter(b.values())) for n, b in boxes.items()}
-
-
-def _dtype(name: str) -> np.dtype:
-  return statefile.DTYPES[statefile.CODES[name]]

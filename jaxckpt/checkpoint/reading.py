@@ -1,7 +1,7 @@
 """A committed checkpoint's arrays read onto their target shardings, whatever mesh wrote them.
 
 - Across processes, or from several state files: each process reads the byte ranges of its
-  own shards (`multihost.restore`); given something to do `meanwhile`, on a thread of its own
+  own shards (`boxrestore.restore`); given something to do `meanwhile`, on a thread of its own
   while the caller does it, then the caller places them.
 - One safetensors file: read in runs of tensors, each run placed on the devices as soon as it is
   read, overlapping the next reads. Or, given something to do `meanwhile` (the caller's compile of
@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, TypeVar
 import jax
 import numpy as np
 
-from . import atomic, beside, layout, manifest, multihost, orbaxstore, shardtable
+from . import atomic, beside, boxrestore, layout, manifest, multihost, orbaxstore, shardtable
 from .errors import ArgumentError, CheckpointError
 from .formats import SAFETENSORS, data_file, read_state_file
 
@@ -172,18 +172,17 @@ def read_arrays(step_dir: Path,
   single = data_file(meta)
   if shards is not None:
     if meanwhile is None:
-      return _unless_removed(step_dir,
-                             lambda: multihost.restore(step_dir, shards, want, checksums=checksums),
-                             meta)
-    held = multihost.held_boxes(want)  # this process's byte ranges, read beside `meanwhile`
+      return _unless_removed(
+          step_dir, lambda: boxrestore.restore(step_dir, shards, want, checksums=checksums), meta)
+    held = boxrestore.held_boxes(want)  # this process's byte ranges, read beside `meanwhile`
     boxes = beside.beside(
         lambda: _unless_removed(
-            step_dir, lambda: multihost.read_boxes(step_dir, shards, held, checksums=checksums),
+            step_dir, lambda: boxrestore.read_boxes(step_dir, shards, held, checksums=checksums),
             meta),
         meanwhile,
-        _stuck(step_dir, multihost.read_bound(shards, held)),
+        _stuck(step_dir, boxrestore.read_bound(shards, held)),
         name=READER)
-    return multihost.place(want, boxes)
+    return boxrestore.place(want, boxes)
   if not single:
     if meanwhile is not None:
       meanwhile()  # tensorstore reads what each device needs: on this thread, after it
