@@ -143,6 +143,16 @@ def test_a_read_holds_two_windows_of_host_memory_not_the_state(tmp_path, monkeyp
   assert all(allocated <= at + 2 for at, allocated in taken)  # this window and the next
 
 
+@pytest.mark.parametrize('names', [None, ['b/empty']])
+def test_an_empty_tensor_after_one_over_the_window_is_read(tmp_path, monkeypatch, names):
+  state = {'a/big': np.arange(16 << 10, dtype=np.float32), 'b/empty': np.zeros((0, 4), np.float32)}
+  files, crcs = statefile.write(tmp_path, state)
+  monkeypatch.setattr(statefile, '_WINDOW', 32 << 10)  # 'a/big' (64 KiB) is a window alone
+  got = statefile.read(
+      tmp_path, names, expect_crc32=files[statefile.file_name(0)]['crc32'], tensor_crc32=crcs)
+  assert all(same(got[n], state[n]) for n in (names or state))
+
+
 def flip(path, offset):
   with open(path, 'r+b') as f:
     f.seek(offset)

@@ -23,7 +23,8 @@ hole, as the reference parser demands. What makes it fast:
 Reads mirror it: reader threads fill page-aligned buffers with O_DIRECT, a window of at most
 256 MiB of tensors at a time (a larger tensor is one of its own) and the next one in flight,
 while this thread checks CRCs and hands finished tensors, as views, to `place`: a restore onto
-an accelerator holds two windows of host memory, not the state. A header that lies (about
+an accelerator holds two windows of host memory, not the state (unless its caller keeps what
+lands for later, as a restore beside a compile does until the compile ends). A header that lies (about
 offsets, shapes, dtypes or its own length), a truncated or padded file, or a hole between
 tensors is a one-line `E-CKPT-012` naming the file; nothing is read out of bounds.
 """
@@ -406,8 +407,8 @@ def _submit(pool, fd, header_len, entries, window):
   stop = header_len + entries[window[-1]]['data_offsets'][1]
   buf = aligned_empty((padded(stop - lo),), np.uint8, populate=False)
   view = memoryview(buf)
-  jobs = [(at, pool.submit(pread_into, fd, view[at:at + _CHUNK], lo + at))
-          for at in range(0, len(view), _CHUNK)]
+  ats = range(0, len(view) or 1, _CHUNK)  # a window of empty tensors: one read, of nothing
+  jobs = [(at, pool.submit(pread_into, fd, view[at:at + _CHUNK], lo + at)) for at in ats]
   return window, start, stop, lo, buf, jobs
 
 

@@ -30,7 +30,7 @@ def peer_source(store: Store,
     raw, m, meta, problems = objects.inspect(store, step)
     if raw is not None and not problems:
       seal = manifest.seal_of(raw)
-      own = [w['size'] for rel, w in m['files'].items() if not rel.startswith(layout.STATE_DIR)]
+      own = [w['size'] for rel, w in m['files'].items() if not rel.startswith(f'{layout.STATE_DIR}/')]
       size = len(raw) + sum(own) + sum(r['size'] for r in meta.get('records', {}).values())
   return Remote(
       step if seal or not inspect else None,
