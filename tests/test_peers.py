@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.numpy
 from conftest import finish_processes, mounted_tmpfs, start_processes
 
 COUNT = 3
@@ -220,6 +221,17 @@ def test_a_wiped_host_is_restored_from_its_peers_and_a_damaged_replica_is_passed
       (_state(tmp_path, 2, 10) / 'process_1.safetensors').read_bytes()
   assert (tmp_path / 'host1' / 'step_00000010' / 'manifest.json').read_bytes() == \
       (tmp_path / 'host0' / 'step_00000010' / 'manifest.json').read_bytes()
+  # Of process 0's part, process 1 needs the replicated arrays it holds alone: it was sent those
+  # tensors (a state file of their own, each checked against its shard's CRC-32), not the part.
+  part = _state(tmp_path, 0, 10) / 'process_0.safetensors'
+  subset = _state(tmp_path, 1, 10) / 'process_0.safetensors.subset'
+  assert not (_state(tmp_path, 1, 10) / 'process_0.safetensors').exists()
+  got = safetensors.numpy.load_file(subset)
+  whole = safetensors.numpy.load_file(part)
+  assert got and set(got) < set(whole) and all(got[n].tobytes() == whole[n].tobytes() for n in got)
+  own = _state(tmp_path, 1, 10) / 'process_1.safetensors'
+  assert subset.stat().st_size < part.stat().st_size / 4
+  assert results[1]['peers'] == own.stat().st_size + subset.stat().st_size
 
 
 @pytest.mark.parametrize('tier', ['no remote', 'an empty remote'])

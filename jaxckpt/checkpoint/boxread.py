@@ -43,6 +43,9 @@ class _Files:
   def entry(self, rel: str, tensor: str) -> tuple[int, int, dict]:
     if rel not in self.open:
       path = layout.safe_member(self.step_dir, rel)
+      subset = path.with_name(path.name + layout.SUBSET)  # the tensors a peer sent this one
+      if not path.exists() and subset.is_file():
+        path = subset
       fd = os.open(path, os.O_RDONLY)
       header_len, entries, _ = statefile.read_header(path, fd)
       self.open[rel] = (fd, header_len, entries)

@@ -61,10 +61,12 @@ def held(ckpt_dir: Path) -> dict[str, dict[str, Any]]:
 
 def tidy(ckpt_dir: Path) -> list[Path]:
   """Removes the files an earlier peer restore, cut short, left half-received in committed step
-  directories (a step directory it never committed is the manager's debris); returns them."""
+  directories (a step directory it never committed is the manager's debris), and the subsets
+  of parts it sent for that restore alone (this one sends what it needs); returns them."""
   left = [
       p for d in layout.committed_steps(ckpt_dir).values()
-      for suffix in (layout.PEER_TMP, layout.FETCH_TMP) for p in d.rglob(f'*{suffix}')
+      for suffix in (layout.PEER_TMP, layout.FETCH_TMP, layout.SUBSET)
+      for p in d.rglob(f'*{suffix}')
   ]
   for path in left:
     path.unlink(missing_ok=True)

@@ -25,6 +25,7 @@ RUN_STATE = 'run_state.json'
 # Suffixes of a file being received into a step directory by a peer restore (from a peer, from
 # the remote): one a crash left behind is debris (`peers` removes it before the next).
 PEER_TMP, FETCH_TMP = '.peer-tmp', '.fetch-tmp'
+SUBSET = '.subset'  # + to a part's name: the tensors of it a peer restore sent this process alone
 
 _STEP_RE = re.compile(r'^step_(\d{8,})$')
 _DEBRIS_RE = re.compile(r'^step_\d{8,}\.(tmp|deleting|aside)-[0-9a-f]+$')

@@ -323,9 +323,19 @@ def needed_files(shards: shardtable.Table,
   """For each of `count` processes, the state files holding shards its devices hold of `want`
   ({name: target with shape and sharding}; names the checkpoint does not hold are left out),
   from the checkpoint's shard table (`shardtable.shard_table`). `local`: this process's devices
-  alone (the others' sets stay empty). Each distinct box is looked up once, however many
-  devices hold it (a replicated array: once)."""
-  out = [set() for _ in range(count)]
+  alone (the others' sets stay empty)."""
+  return [set(files) for files in needed_shards(shards, want, count, local=local)]
+
+
+def needed_shards(shards: shardtable.Table,
+                  want: Mapping[str, Any],
+                  count: int,
+                  *,
+                  local: bool = False) -> list[dict[str, dict[str, dict]]]:
+  """For each of `count` processes, {state file: {tensor: its shard (the table's row, with its
+  'array')}} of the shards its devices hold of `want`, as `needed_files`. Each distinct box is
+  looked up once, however many devices hold it (a replicated array: once)."""
+  out: list[dict[str, dict[str, dict]]] = [{} for _ in range(count)]
   for name, x in want.items():
     if name not in shards:
       continue
@@ -337,9 +347,9 @@ def needed_files(shards: shardtable.Table,
     for device, index in indices.items():
       boxes.setdefault(_box(index, shape), set()).add(device.process_index)
     for box, processes in boxes.items():
-      files = {s['file'] for s in shards.overlapping(name, box)}
-      for k in processes:
-        out[k] |= files
+      for s in shards.overlapping(name, box):
+        for k in processes:
+          out[k].setdefault(s['file'], {})[s['tensor']] = {**s, 'array': name}
   return out
 
 

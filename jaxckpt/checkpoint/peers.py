@@ -41,10 +41,12 @@ import dataclasses
 import itertools
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import atomic, checksum, holdings, layout, manifest, multihost, sends, shardtable
+from . import (atomic, checksum, holdings, layout, manifest, multihost, sends, shardtable,
+               statefile)
 from .holdings import META, held, tidy
 from .errors import CheckpointError
 from .formats import data_file
@@ -55,6 +57,7 @@ from .tree import named_leaves
 FETCH_FLOOR = 10e6
 # Bytes/s: the slowest CRC check of the parts a process holds that the others wait for.
 CHECK_FLOOR = 20e6
+MAX_ALLOW = 3600.0  # s: the longest the others wait past the timeout for process 0's read
 AGAIN = 'a process stopped or was lost: start every process again (each part is checked again)'
 _log = logging.getLogger(__name__)
 
@@ -120,7 +123,7 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
     if word is None and remote is not None and remote.meta is not None and \
         remote.step is not None and str(remote.step) not in views[0]:
       try:  # nothing newer is whole here: the remote's newest, its parts read once below
-        group.allow(name, remote.meta_bytes / FETCH_FLOOR)
+        group.allow(name, min(remote.meta_bytes / FETCH_FLOOR, MAX_ALLOW))  # sizes: the bucket's
         remote.meta(remote.step, ckpt_dir)
         views[0] = held(ckpt_dir)
         word = _next(ckpt_dir, views, remote, tried)
@@ -215,8 +218,10 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
     return None
   seal = manifest.seal_of(raw)
   on_remote = remote is not None and (remote.step, remote.seal) == (step, seal)
-  needs = multihost.needed_files(
+  wanted = multihost.needed_shards(
       shardtable.shard_table(path, m, data_file(m)), named_leaves(target), count)
+  needs = [set(w) for w in wanted]
+  dtypes = {r['name']: r['dtype'] for r in m['tensors']}
   moves, load = [], [0] * count  # the bytes each process reads from the remote
   for rel in holdings.parts(m):
     holders = [k for k in range(count) if rel in intact[k]]
@@ -232,7 +237,12 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
     if not holders:
       load[first] += m['files'][rel]['size']
     source = (own if own in holders else holders[0]) if holders else -1
-    moves.append([rel, source, sorted(receivers, key=lambda k: (k != first, k))])
+    # A receiver that needs a few of its tensors (not its owner, not its reader) gets those.
+    subsets = {
+        str(k): tensors for k in receivers if k != own and (holders or k != first)
+        for tensors in [_subset(wanted[k][rel], dtypes, m['files'][rel]['size'])] if tensors
+    }
+    moves.append([rel, source, sorted(receivers, key=lambda k: (k != first, k)), subsets])
   files = {rel: m['files'][rel] for rel in holdings.parts(m)}
   meta = {name: m['files'][name]['size'] for name in whole}
   return {
@@ -241,6 +251,20 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
       'from': {name: k[0] for name, k in senders.items()}, 'needs': [sorted(n) for n in needs],
       'meta_to': [k for k in range(count) if not set(whole) <= set(intact[k])]
   }
+
+
+def _subset(shards: Mapping[str, Mapping[str, Any]], dtypes: Mapping[str, str],
+            size: int) -> list | None:
+  """`sends.Tensors` of `shards` ({tensor: shard row}) when they are less than half of a part
+  of `size` bytes (each with its CRC-32); None: the part is sent whole."""
+  tensors, nbytes = [], 0
+  for name, s in sorted(shards.items()):
+    code = statefile.CODES.get(dtypes.get(s['array'], ''))
+    if code is None or not isinstance(s.get('crc32'), str):
+      return None
+    tensors.append([name, code, list(s['shape']), s['crc32']])
+    nbytes += math.prod(s['shape']) * statefile.DTYPES[code].itemsize
+  return tensors if 2 * nbytes < size else None
 
 
 def _owner(rel: str) -> int:
@@ -292,7 +316,9 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
       local(lambda got=got, name=name: _write_own(work / name, got, plan['own'][name], step))
   pairs, reads = [], []  # (part, from, to); a part no process holds is read from the remote
   load: dict[int, int] = {}  # the bytes each process reads from the remote, which the rest wait for
-  for rel, source, receivers in plan['moves']:  # first, by the receiver named first
+  subsets = {}  # (part, receiver): the tensors of it that receiver gets alone
+  for rel, source, receivers, *rest in plan['moves']:  # first, by the receiver named first
+    subsets.update({(rel, int(k)): tensors for k, tensors in (rest or [{}])[0].items()})
     if source == -1:
       source = receivers[0]
       reads += [rel] if me == source else []
@@ -305,7 +331,8 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
                                               f'{sum(load.values()) / 1e6:.1f} MB of it from the '
                                               'remote' if load else ''),
       group.timeout_secs + max(load.values(), default=0) / FETCH_FLOOR)
-  got, problem = sends.carry(pairs, plan['files'], me, lambda rel: layout.safe_member(work, rel))
+  got, problem = sends.carry(pairs, plan['files'], me, lambda rel: layout.safe_member(work, rel),
+                             subsets)
   sources['peers'] = got
   problems += [problem] if problem else []
   sources['own'] = sum(plan['files'][r]['size'] for r in plan['needs'][me] if r in mine)

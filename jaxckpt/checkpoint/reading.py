@@ -47,7 +47,7 @@ def audit(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any],
       meta,
       checksums=checksums,
       skip_checksum=read_later,
-      absent_ok=() if shards is None else multihost.unread(meta, want, shards))
+      absent_ok=() if shards is None else multihost.unread(meta, want, shards) | _subsets(step_dir))
   if problems:
     if (gone := _gone(step_dir, meta)) is not None:  # retention or a new commit, not damage
       raise gone
@@ -55,6 +55,14 @@ def audit(step_dir: Path, meta: Mapping[str, Any], want: Mapping[str, Any],
         'E-CKPT-003', f'{step_dir} is damaged: {problems[0]}' +
         (f' (+{len(problems) - 1} more)' if len(problems) > 1 else ''),
         'resume from an earlier checkpoint')
+
+
+def _subsets(step_dir: Path) -> set[str]:
+  """The parts of which a peer restore left this process the tensors it needs alone (checked
+  shard by shard as they are read)."""
+  state = step_dir / layout.STATE_DIR
+  found = state.glob(f'*{layout.SUBSET}') if state.is_dir() else ()
+  return {f'{layout.STATE_DIR}/{p.name[:-len(layout.SUBSET)]}' for p in found}
 
 
 def shard_rows(step_dir: Path, raw: bytes, meta: Mapping[str, Any], *,

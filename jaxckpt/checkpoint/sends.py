@@ -6,6 +6,12 @@ pairs move at once, window by window, in one XLA collective permute (`jax.lax.pp
 `shard_map` over one device of each process: NCCL or ICI on accelerators, gloo on CPU). Each
 window's read from disk overlaps the collective before it, and its write (with the CRC-32) the
 one after it. A received file is checked against its manifest entry, fsynced and renamed in.
+
+A receiver that needs a few tensors of a part (the replicated leaves of a model split over the
+processes) gets those alone: a state file of their own (`subset_header`, then each tensor's
+bytes, read from the sender's copy), written beside where the part would be
+(`<part>.safetensors.subset`) and checked against the CRC-32 the shard table gives each tensor,
+combined with the header's. A restore reads a part's tensors from it where the part is absent.
 A small file goes from one process to all (`broadcast`) with `broadcast_one_to_all`.
 """
 
@@ -14,15 +20,17 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import functools
+import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from . import layout
-from .checksum import crc32
-from .directio import aligned_empty
+from . import layout, statefile
+from .checksum import crc32, crc32_combine
+from .directio import aligned_empty, pread_into
 from .errors import CheckpointError
 
 # Bytes per process per collective. On CPU (gloo over loopback, 2 cores), `carry` of 700 MiB
@@ -33,6 +41,7 @@ from .errors import CheckpointError
 WINDOW = 8 << 20
 SMALL = 64 << 10  # the window of small files (a manifest, the run state)
 Pair = tuple[str, int, int]  # (file, the process that sends it, the process that receives it)
+Tensors = list  # a subset: [[tensor, safetensors dtype code, shape, crc32], ...]
 
 
 def rounds(pairs: list[Pair]) -> list[list[Pair]]:
@@ -54,28 +63,98 @@ def rounds(pairs: list[Pair]) -> list[list[Pair]]:
   return out
 
 
-def carry(pairs: list[Pair], files: Mapping[str, Mapping[str, Any]], me: int,
-          path_of: Callable[[str], Path]) -> tuple[int, str | None]:
+def carry(pairs: list[Pair],
+          files: Mapping[str, Mapping[str, Any]],
+          me: int,
+          path_of: Callable[[str], Path],
+          subsets: Mapping[tuple[str, int], Tensors] | None = None) -> tuple[int, str | None]:
   """Every process, with the same `pairs`: sends the files it is the sender of (read at
-  `path_of(file)`), receives the ones it is the receiver of (written there). Returns (the bytes
-  this process received intact, its first problem or None). A process whose read or write
-  fails goes on taking part in every window of every round (sending zeros), so that no other
-  process is left waiting in a collective; the caller says the problem to all."""
+  `path_of(file)`), receives the ones it is the receiver of (written there). `subsets`: {(file,
+  receiver): tensors}: that receiver gets those tensors of the file alone, written at
+  `path_of(file)` + `SUBSET`. Returns (the bytes this process received intact, its first
+  problem or None). A process whose read or write fails goes on taking part in every window of
+  every round (sending zeros), so that no other process is left waiting in a collective; the
+  caller says the problem to all."""
+  subsets = subsets or {}
+  specs = {(rel, dst): subset_spec(subsets[rel, dst]) if (rel, dst) in subsets else files[rel]
+           for rel, _, dst in pairs}
   received, problem = 0, None
   # Two read buffers for the whole carry, faulted in once: the reader fills one while the other
   # is in the collective (`_move` returns once the runtime is done with it).
   bufs = [aligned_empty((WINDOW,), np.uint8) for _ in range(2)] if any(
       src == me for _, src, _ in pairs) else []
   for round_ in rounds(pairs):
-    out = [rel for rel, src, _ in round_ if src == me]
+    out = [(rel, dst) for rel, src, dst in round_ if src == me]
     into = [rel for rel, _, dst in round_ if dst == me]
-    size = max(files[rel]['size'] for rel, _, _ in round_)
+    size = max(specs[rel, dst]['size'] for rel, _, dst in round_)
     perm = tuple(sorted((src, dst) for _, src, dst in round_))
-    failed = _round(perm, size, (path_of(out[0]), files[out[0]]['size']) if out else None,
-                    (path_of(into[0]), files[into[0]]) if into else None, bufs)
+    source = (path_of(out[0][0]), subsets.get(out[0]), specs[out[0]]['size']) if out else None
+    target = None
+    if into:
+      path = path_of(into[0])
+      target = (path.with_name(path.name + layout.SUBSET) if
+                (into[0], me) in subsets else path, specs[into[0], me])
+    failed = _round(perm, size, source, target, bufs)
     problem = problem or failed
-    received += files[into[0]]['size'] if into and not failed else 0
+    received += target[1]['size'] if target and not failed else 0
   return received, problem
+
+
+def subset_header(tensors: Tensors) -> bytes:
+  """The header of a state file holding `tensors` alone, back to back in that order."""
+  entries, at = {}, 0
+  for name, code, shape, _ in tensors:
+    n = math.prod(shape) * statefile.DTYPES[code].itemsize
+    entries[name] = {'dtype': code, 'shape': list(shape), 'data_offsets': [at, at + n]}
+    at += n
+  body = json.dumps({'__metadata__': {'format': 'jaxckpt.subset'}, **entries},
+                    separators=(',', ':')).encode()
+  body += b' ' * (-len(body) % 8)
+  return len(body).to_bytes(8, 'little') + body
+
+
+def subset_spec(tensors: Tensors) -> dict[str, Any]:
+  """{'size', 'crc32'} of the file of `tensors` (`subset_header`): its CRC-32 from the
+  header's and each tensor's (the shard table's), without its bytes."""
+  header = subset_header(tensors)
+  size, crc = len(header), crc32(header)
+  for _, code, shape, tensor_crc in tensors:
+    n = math.prod(shape) * statefile.DTYPES[code].itemsize
+    size, crc = size + n, crc32_combine(crc, int(tensor_crc, 16), n)
+  return {'size': size, 'crc32': f'{crc:08x}'}
+
+
+def _segments(path: Path, fd: int, tensors: Tensors | None, size: int) -> list:
+  """What the sender sends of `path`, as segments: bytes, or (offset, length) in the file: the
+  whole file, or `tensors`' header and then each tensor's bytes (as its copy's header places
+  them, checked against the shard table's dtype and shape)."""
+  if tensors is None:
+    return [(0, size)]
+  header_len, entries, _ = statefile.read_header(path, fd)
+  segments: list = [subset_header(tensors)]
+  for name, code, shape, _ in tensors:
+    entry = entries.get(name)
+    if entry is None or (entry['dtype'], entry['shape']) != (code, list(shape)):
+      raise CheckpointError('E-CKPT-012', f'{path}: {name} is not {code}{list(shape)} as the '
+                            'shard table says', statefile.DAMAGED)
+    b, e = entry['data_offsets']
+    segments.append((header_len + b, e - b))
+  return segments
+
+
+def _fill(fd: int, path: Path, segments: list, view: memoryview, lo: int) -> None:
+  """`view` from the bytes `segments` make, from offset `lo` of them on."""
+  at = 0  # where the segment starts in the stream
+  for seg in segments:
+    n = len(seg) if isinstance(seg, bytes) else seg[1]
+    a, b = max(lo, at), min(lo + len(view), at + n)
+    if a < b:
+      part = view[a - lo:b - lo]
+      if isinstance(seg, bytes):
+        part[:] = seg[a - at:b - at]
+      elif pread_into(fd, part, seg[0] + a - at) != b - a:
+        raise CheckpointError('E-CKPT-012', f'{path} ends early', 'restart the job')
+    at += n
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,24 +190,25 @@ def _move(perm, buf: np.ndarray) -> np.ndarray:
   return np.asarray(_permute(perm)(x).addressable_shards[0].data)
 
 
-def _round(perm, size: int, source: tuple[Path, int] | None,
+def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
            into: tuple[Path, Mapping[str, Any]] | None, bufs: list[np.ndarray]) -> str | None:
-  """One round's windows: this process sends `source` (path, size), receives `into` (path,
-  manifest entry), either, both or neither; `size` is the round's largest file; `bufs`: the
-  carry's two read buffers. Returns this process's problem (None: what it received is in
-  place, checked); it never leaves early."""
+  """One round's windows: this process sends `source` (path, the tensors of a subset or None
+  for the whole file, the bytes sent), receives `into` (path, its {size, crc32}), either, both
+  or neither; `size` is the round's largest; `bufs`: the carry's two read buffers. Returns
+  this process's problem (None: what it received is in place, checked); it never leaves
+  early."""
   count = -(-size // WINDOW)
   zeros = np.zeros(WINDOW, np.uint8)
   tmp = None if into is None else into[0].with_name(into[0].name + layout.PEER_TMP)
   crc, wrote, problems = [0], [0], []
   fin = fout = None
+  segments: list = []
 
   def read(i: int) -> np.ndarray:
-    buf, want = bufs[i % 2], max(0, min(WINDOW, source[1] - i * WINDOW))
-    if not want:  # past this file's end, the round's larger file still moving
+    buf, want = bufs[i % 2], max(0, min(WINDOW, source[2] - i * WINDOW))
+    if not want:  # past what this sends, the round's larger file still moving
       return zeros
-    if fin.readinto(memoryview(buf)[:want]) != want:
-      raise CheckpointError('E-CKPT-012', f'{source[0]} ends early', 'restart the job')
+    _fill(fin, source[0], segments, memoryview(buf)[:want], i * WINDOW)
     buf[want:] = 0  # the last window's tail: zeros, not the window before's bytes
     return buf
 
@@ -146,10 +226,13 @@ def _round(perm, size: int, source: tuple[Path, int] | None,
       return None
 
   try:
-    fin = open(source[0], 'rb') if source is not None else None  # pylint: disable=consider-using-with
+    fin = os.open(source[0], os.O_RDONLY) if source is not None else None
+    segments = _segments(source[0], fin, source[1], source[2]) if source is not None else []
     fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if tmp else None
   except OSError as e:
     problems.append(f'{e.filename}: {e.strerror or e}')
+  except CheckpointError as e:
+    problems.append(e.line())
   with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-send') as reader, \
       concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-receive') as writer:
     sending = fin is not None and not problems
@@ -172,7 +255,7 @@ def _round(perm, size: int, source: tuple[Path, int] | None,
         os.fsync(fout)
       os.close(fout)
     if fin is not None:
-      fin.close()
+      os.close(fin)
   except OSError as e:
     problems.append(f'{e.filename}: {e.strerror or e}')
   if into is None or problems:
@@ -182,7 +265,7 @@ def _round(perm, size: int, source: tuple[Path, int] | None,
   path, want = into
   if f'{crc[0]:08x}' != want['crc32'] or wrote[0] != want['size']:
     tmp.unlink(missing_ok=True)
-    return (f'{path}: the part received does not match its manifest (crc32 {crc[0]:08x}, '
+    return (f'{path}: what was received does not match its manifest (crc32 {crc[0]:08x}, '
             f'manifest says {want["crc32"]})')
   os.replace(tmp, path)
   return None
@@ -217,4 +300,4 @@ def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | No
   return (b''.join(got) if receive else None), problem
 
 
-__all__ = ['SMALL', 'WINDOW', 'broadcast', 'carry', 'rounds']
+__all__ = ['SMALL', 'WINDOW', 'broadcast', 'carry', 'rounds', 'subset_header', 'subset_spec']
