@@ -78,7 +78,8 @@ def _resume(monkeypatch, posted: list[str] | None, count: int = 2):
       start_step=None,
       leader=True,
       fetched=None,
-      restored=None)
+      restored=None,
+      replicas=1)
   assert peer_start.resume_point(run, Path('/nowhere'), None, 10.0) == got.path
   return run
 

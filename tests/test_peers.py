@@ -115,7 +115,7 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
 
     peers._plan = plan
   try:
-    got = peers.restore_dir(directory, target, multihost.Group(timeout), remote)
+    got = peers.restore_dir(directory, target, multihost.Group(timeout), remote, replicas=1)
   except CheckpointError as e:
     print(f'ERROR {e}', flush=True)
     sys.exit(3)
@@ -207,6 +207,12 @@ def test_a_wiped_host_is_restored_from_its_peers_and_a_damaged_replica_is_passed
   data = bytearray(replica.read_bytes())
   data[-1] ^= 0xFF
   replica.write_bytes(bytes(data))
+  # Host 0 has a rotted copy of process 1's part of step 10 (no replica it keeps): passed over
+  # and removed, once the tensors it needs of that part have come.
+  rotted = _state(tmp_path, 0, 10) / 'process_1.safetensors'
+  data = bytearray((_state(tmp_path, 2, 10) / 'process_1.safetensors').read_bytes())
+  data[-1] ^= 0xFF
+  rotted.write_bytes(bytes(data))
   # Process 2's run state of step 10 is damaged too: it is sent process 0's.
   run_state = tmp_path / 'host2' / 'step_00000010' / 'run_state.json'
   run_state.write_bytes(run_state.read_bytes().replace(b'10', b'11', 1))
@@ -221,17 +227,18 @@ def test_a_wiped_host_is_restored_from_its_peers_and_a_damaged_replica_is_passed
       (_state(tmp_path, 2, 10) / 'process_1.safetensors').read_bytes()
   assert (tmp_path / 'host1' / 'step_00000010' / 'manifest.json').read_bytes() == \
       (tmp_path / 'host0' / 'step_00000010' / 'manifest.json').read_bytes()
-  # Of process 0's part, process 1 needs the replicated arrays it holds alone: it was sent those
+  # Process 1 keeps the replica of process 0's part: it is sent that part whole, as it was.
+  assert (_state(tmp_path, 1, 10) / 'process_0.safetensors').read_bytes() == \
+      (_state(tmp_path, 0, 10) / 'process_0.safetensors').read_bytes()
+  # Of process 1's part, process 0 needs the replicated arrays it holds alone: it is sent those
   # tensors (a state file of their own, each checked against its shard's CRC-32), not the part.
-  part = _state(tmp_path, 0, 10) / 'process_0.safetensors'
-  subset = _state(tmp_path, 1, 10) / 'process_0.safetensors.subset'
-  assert not (_state(tmp_path, 1, 10) / 'process_0.safetensors').exists()
+  part = _state(tmp_path, 2, 10) / 'process_1.safetensors'
+  subset = _state(tmp_path, 0, 10) / 'process_1.safetensors.subset'
+  assert not rotted.exists()
   got = safetensors.numpy.load_file(subset)
   whole = safetensors.numpy.load_file(part)
   assert got and set(got) < set(whole) and all(got[n].tobytes() == whole[n].tobytes() for n in got)
-  own = _state(tmp_path, 1, 10) / 'process_1.safetensors'
-  assert subset.stat().st_size < part.stat().st_size / 4
-  assert results[1]['peers'] == own.stat().st_size + subset.stat().st_size
+  assert results[0]['peers'] == subset.stat().st_size < part.stat().st_size / 4
 
 
 @pytest.mark.parametrize('tier', ['no remote', 'an empty remote'])

@@ -42,12 +42,14 @@ import itertools
 import json
 import logging
 import math
+import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import (atomic, checksum, holdings, layout, manifest, multihost, sends, shardtable,
                statefile)
 from .holdings import META, held, tidy
+from .replicas import holders as holders_of
 from .errors import CheckpointError
 from .formats import data_file
 from .tree import named_leaves
@@ -89,8 +91,11 @@ class Restored:
   sources: dict[str, int]  # bytes this process reads of it: {'own', 'peers', 'remote'}
 
 
-def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
-                remote: Remote | None) -> Restored | None:
+def restore_dir(ckpt_dir: Path,
+                target: Any,
+                group: multihost.Group,
+                remote: Remote | None,
+                replicas: int = 0) -> Restored | None:
   """Brings this process's step directory of the newest checkpoint the job's processes (and
   the remote) hold between them to what its devices need for `target`; None on every process
   when there is none (the caller then takes the remote's newest whole). When processes hold
@@ -138,7 +143,8 @@ def restore_dir(ckpt_dir: Path, target: Any, group: multihost.Group,
 
   def plan_for(step: int, seal: str, intact: list[str]) -> dict[str, Any] | None:
     try:
-      plan = _plan(ckpt_dir, step, [holdings.names(v) for v in intact], target, group.count, remote)
+      plan = _plan(ckpt_dir, step, [holdings.names(v) for v in intact], target, group.count, remote,
+                   replicas)
     except CheckpointError as e:  # its shard table is damaged here: said, and passed over
       _log.warning('step %d passed over for a restore from the peers: %s', step, e.what)
       plan = None
@@ -202,8 +208,13 @@ def _next(ckpt_dir: Path, views: list[dict], remote: Remote | None,
   return None
 
 
-def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count: int,
-          remote: Remote | None) -> dict[str, Any] | None:
+def _plan(ckpt_dir: Path,
+          step: int,
+          intact: list[list[str]],
+          target: Any,
+          count: int,
+          remote: Remote | None,
+          replicas: int = 0) -> dict[str, Any] | None:
   """Process 0: who sends which part to whom ({'step', 'seal', 'files', 'moves', 'needs', and
   the checkpoint's own files: 'meta' sizes, 'own' entries, 'from' whom, 'meta_to' whom}); None
   when a part (or an own file) is held intact by no process and not by the remote."""
@@ -237,9 +248,12 @@ def _plan(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
     if not holders:
       load[first] += m['files'][rel]['size']
     source = (own if own in holders else holders[0]) if holders else -1
-    # A receiver that needs a few of its tensors (not its owner, not its reader) gets those.
+    # A receiver that needs a few of its tensors gets those, but the part's owner (process 0
+    # for a part of a larger job: it uploads those), its replica keepers and its reader.
+    keep = own if 0 <= own < count else 0
+    full = {keep, *(holders_of(keep, count, replicas) if keep == own else ())}
     subsets = {
-        str(k): tensors for k in receivers if k != own and (holders or k != first)
+        str(k): tensors for k in receivers if k not in full and (holders or k != first)
         for tensors in [_subset(wanted[k][rel], dtypes, m['files'][rel]['size'])] if tensors
     }
     moves.append([rel, source, sorted(receivers, key=lambda k: (k != first, k)), subsets])
@@ -260,7 +274,7 @@ def _subset(shards: Mapping[str, Mapping[str, Any]], dtypes: Mapping[str, str],
   tensors, nbytes = [], 0
   for name, s in sorted(shards.items()):
     code = statefile.CODES.get(dtypes.get(s['array'], ''))
-    if code is None or not isinstance(s.get('crc32'), str):
+    if code is None or not re.fullmatch(r'[0-9a-f]{8}', str(s.get('crc32'))):
       return None
     tensors.append([name, code, list(s['shape']), s['crc32']])
     nbytes += math.prod(s['shape']) * statefile.DTYPES[code].itemsize

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import json
 import math
@@ -96,6 +97,9 @@ def carry(pairs: list[Pair],
                 (into[0], me) in subsets else path, specs[into[0], me])
     failed = _round(perm, size, source, target, bufs)
     problem = problem or failed
+    if target and not failed and target[0] != path:  # a subset: a copy of the part is not intact
+      with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
     received += target[1]['size'] if target and not failed else 0
   return received, problem
 

@@ -89,7 +89,7 @@ def resume_point(run, ckpt_dir: Path, target: Any, timeout_secs: float) -> Path 
   # Process 0 decides what the remote holds; any process may be the one to read a part of it.
   remote = partial.peer_source(run.store, run.start_step, inspect=run.leader, on_records=take)
   try:
-    got = peers.restore_dir(ckpt_dir, target, group, remote)
+    got = peers.restore_dir(ckpt_dir, target, group, remote, run.replicas)
   except CheckpointError as e:
     if e.code == 'E-RESUME-004':  # the hosts' checkpoints, none whole: never a fresh start
       raise ResumeError(e.code, e.what, e.fix) from None
