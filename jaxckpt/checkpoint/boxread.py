@@ -43,8 +43,8 @@ class _Files:
   def entry(self, rel: str, tensor: str) -> tuple[int, int, dict]:
     if rel not in self.open:
       path = layout.safe_member(self.step_dir, rel)
-      subset = path.with_name(path.name + layout.SUBSET)  # what this restore's peers sent
-      if subset.is_file():
+      subset = path.with_name(path.name + layout.SUBSET)  # what a restore's peers sent
+      if not path.exists() and subset.is_file():
         path = subset
       fd = os.open(path, os.O_RDONLY)
       header_len, entries, _ = statefile.read_header(path, fd)
@@ -53,15 +53,17 @@ class _Files:
     if tensor not in entries and self.subset(rel):
       raise CheckpointError(
           'E-CKPT-012', f'{self.step_dir / rel}{layout.SUBSET}: {tensor} is not among the tensors '
-          'a restore from the peers sent this process', 'restart every process: the peers send '
-          'what this restore needs')
+          f'a restore from the peers sent this host, and {rel} is not here',
+          f'bring {rel} of this checkpoint here (from the host that holds it), or restore on '
+          'the mesh that restore was for')
     if tensor not in entries:
       raise CheckpointError('E-CKPT-012', f'{self.step_dir / rel}: {tensor} is not in the file',
                             statefile.DAMAGED)
     return fd, header_len, entries[tensor]
 
-  def subset(self, rel: str) -> bool:
-    return layout.safe_member(self.step_dir, rel + layout.SUBSET).is_file()
+  def subset(self, rel: str) -> bool:  # read in place of the part, which is absent
+    path = layout.safe_member(self.step_dir, rel)
+    return not path.exists() and path.with_name(path.name + layout.SUBSET).is_file()
 
   def close(self) -> None:
     for fd, _, _ in self.open.values():

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import functools
 import json
 import math
@@ -96,10 +95,12 @@ def carry(pairs: list[Pair],
       target = (path.with_name(path.name + layout.SUBSET) if
                 (into[0], me) in subsets else path, specs[into[0], me])
     failed = _round(perm, size, source, target, bufs)
-    problem = problem or failed
     if target and not failed and target[0] != path:  # a subset: a copy of the part is not intact
-      with contextlib.suppress(OSError):
+      try:
         path.unlink(missing_ok=True)
+      except OSError as e:
+        failed = f'{path}: not intact, and cannot be removed: {e.strerror or e}'
+    problem = problem or failed
     received += target[1]['size'] if target and not failed else 0
   return received, problem
 
