@@ -48,9 +48,9 @@ class _Files:
         path = subset
       fd = os.open(path, os.O_RDONLY)
       header_len, entries, _ = statefile.read_header(path, fd)
-      self.open[rel] = (fd, header_len, entries)
-    fd, header_len, entries = self.open[rel]
-    if tensor not in entries and self.subset(rel):
+      self.open[rel] = (fd, header_len, entries, path == subset)
+    fd, header_len, entries, in_subset = self.open[rel]
+    if tensor not in entries and in_subset:
       raise CheckpointError(
           'E-CKPT-012', f'{self.step_dir / rel}{layout.SUBSET}: {tensor} is not among the tensors '
           f'a restore from the peers sent this host, and {rel} is not here',
@@ -61,12 +61,8 @@ class _Files:
                             statefile.DAMAGED)
     return fd, header_len, entries[tensor]
 
-  def subset(self, rel: str) -> bool:  # read in place of the part, which is absent
-    path = layout.safe_member(self.step_dir, rel)
-    return not path.exists() and path.with_name(path.name + layout.SUBSET).is_file()
-
   def close(self) -> None:
-    for fd, _, _ in self.open.values():
+    for fd, *_ in self.open.values():
       os.close(fd)
 
 

@@ -41,7 +41,6 @@ import dataclasses
 import itertools
 import json
 import logging
-import math
 import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -277,7 +276,7 @@ def _subset(shards: Mapping[str, Mapping[str, Any]], dtypes: Mapping[str, str],
     if code is None or not re.fullmatch(r'[0-9a-f]{8}', str(s.get('crc32'))):
       return None
     tensors.append([name, code, list(s['shape']), s['crc32']])
-    nbytes += math.prod(s['shape']) * statefile.DTYPES[code].itemsize
+    nbytes += sends.tensor_bytes(code, s['shape'])
   return tensors if 2 * nbytes < size else None
 
 

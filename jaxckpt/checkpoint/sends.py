@@ -105,11 +105,16 @@ def carry(pairs: list[Pair],
   return received, problem
 
 
+def tensor_bytes(code: str, shape) -> int:
+  """The bytes of a tensor of safetensors dtype `code` and `shape`."""
+  return math.prod(shape) * statefile.DTYPES[code].itemsize
+
+
 def subset_header(tensors: Tensors) -> bytes:
   """The header of a state file holding `tensors` alone, back to back in that order."""
   entries, at = {}, 0
   for name, code, shape, _ in tensors:
-    n = math.prod(shape) * statefile.DTYPES[code].itemsize
+    n = tensor_bytes(code, shape)
     entries[name] = {'dtype': code, 'shape': list(shape), 'data_offsets': [at, at + n]}
     at += n
   body = json.dumps({'__metadata__': {'format': 'jaxckpt.subset'}, **entries},
@@ -124,7 +129,7 @@ def subset_spec(tensors: Tensors) -> dict[str, Any]:
   header = subset_header(tensors)
   size, crc = len(header), crc32(header)
   for _, code, shape, tensor_crc in tensors:
-    n = math.prod(shape) * statefile.DTYPES[code].itemsize
+    n = tensor_bytes(code, shape)
     size, crc = size + n, crc32_combine(crc, int(tensor_crc, 16), n)
   return {'size': size, 'crc32': f'{crc:08x}'}
 
@@ -305,4 +310,7 @@ def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | No
   return (b''.join(got) if receive else None), problem
 
 
-__all__ = ['SMALL', 'WINDOW', 'broadcast', 'carry', 'rounds', 'subset_header', 'subset_spec']
+__all__ = [
+    'SMALL', 'WINDOW', 'broadcast', 'carry', 'rounds', 'subset_header', 'subset_spec',
+    'tensor_bytes'
+]
