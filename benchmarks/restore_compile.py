@@ -5,8 +5,8 @@
 A restarted trainer reads its checkpoint and compiles its train step. Before, it did one after
 the other: the restore, then the compile at the first step. Now the trainer hands the compile to
 the restore (`CheckpointManager.restore(..., meanwhile=trainer.compile_train_step)`): the state
-file is read into host memory on a thread of its own, page faults included, while the caller's
-thread compiles, and the caller then places the arrays, the rest as they land.
+file is read on a thread of its own, page faults included, and each window placed as it lands,
+while the caller's thread compiles.
 
 Each row is a fresh process with a committed andrea_120m- or andrea_12m-shaped checkpoint (the
 trainer's real state tree, one safetensors file) in the page cache, timed from before the

@@ -1,9 +1,9 @@
 """A restart reads its checkpoint while the first step compiles (`restore(..., meanwhile=...)`),
 and a fresh machine downloads it meanwhile (`remote_start.fetch_step`).
 
-The state file is read into host memory on a thread of its own while `meanwhile` runs on the
-caller's (the trainer compiles its train step there), and the arrays go to the devices after
-both: a restart waits for the longer of the two, not their sum. Here: the read finishes while
+The state file is read on a thread of its own, each window placed on the devices as it lands,
+while `meanwhile` runs on the caller's (the trainer compiles its train step there): a restart
+waits for the longer of the two, not their sum, and holds a window of host memory, not the state. Here: the read finishes while
 `meanwhile` is still running, the arrays are the saved bytes, a damaged file and a stuck read
 are each named, and the compiled train step is the one the first step runs.
 """
@@ -365,3 +365,53 @@ def test_across_files_a_restore_reads_and_places_a_window_of_arrays_at_a_time(
   assert all(sum(state[n].nbytes for n in names) <= 20 << 10 for names in reads if names != ['big'])
   assert [kind for kind, _ in events
          ] == ['read', 'place'] * len(reads)  # each placed, then the next
+
+
+@pytest.mark.parametrize('across', [False, True], ids=['one-file', 'across-files'])
+def test_beside_meanwhile_each_window_is_placed_as_it_is_read(tmp_path, monkeypatch, across):
+  """Beside `meanwhile` (the trainer's compile) the reader places each window on the devices as
+  it reads it, on its own thread: while a long compile runs, the host holds a window or two of
+  the state, not all of it. One state file (windows of tensors) and a restore by boxes (windows
+  of arrays) alike."""
+  from jaxckpt.checkpoint import boxrestore, manifest, shardtable, statefile
+  from jaxckpt.checkpoint.formats import data_file
+  state = {f'w{i}': jax.device_put(np.full((64, 32), i, np.float32)) for i in range(6)}  # 8 KiB
+  with CheckpointManager(tmp_path, CheckpointOptions(mode='sync')) as mgr:
+    mgr.save(1, state)
+  step_dir = tmp_path / 'step_00000001'
+  meta = manifest.read(step_dir)
+  shards = shardtable.shard_table(step_dir, meta, data_file(meta)) if across else None
+  monkeypatch.setattr(statefile, '_WINDOW', 20 << 10)
+  monkeypatch.setattr(boxrestore, 'PLACE_WINDOW', 20 << 10)
+  placed, running = [], threading.Event()
+  module, name = (boxrestore, 'place') if across else (jax, 'device_put')  # a window's placement
+  real_put = getattr(module, name)
+
+  def put(*args, **kwargs):  # the real placement, watched: on which thread, and when
+    placed.append((threading.current_thread().name, running.is_set()))
+    return real_put(*args, **kwargs)
+
+  monkeypatch.setattr(module, name, put)
+
+  def meanwhile():
+    running.set()
+    reader = [t for t in threading.enumerate() if t.name == reading.READER]
+    for t in reader:  # the whole read, placements included, ends before this returns
+      t.join(60)
+    assert reader and not reader[0].is_alive(), 'the read did not finish beside meanwhile'
+    running.clear()
+
+  want = reading.targets(_abstract(state))
+  got = reading.read_arrays(
+      step_dir,
+      meta,
+      want,
+      checksums=True,
+      verify=True,
+      partial=False,
+      shards=shards,
+      meanwhile=meanwhile)
+  assert all(np.asarray(got[n]).tobytes() == np.asarray(x).tobytes() for n, x in state.items())
+  windows = [p for p in placed if p[0] == reading.READER]
+  assert len(windows) >= 3 and windows == placed  # several, none left for the caller
+  assert all(during for _, during in placed)  # each while meanwhile still ran

@@ -1,9 +1,8 @@
 """Work on a thread of its own while the caller does something else (`meanwhile`).
 
 A restart reads its checkpoint, or a fresh machine downloads it, while the caller's thread
-compiles the first step: the wait is the longer of the two, not their sum. The work holds no
-jax (what it read is placed on the devices by the caller); the compile stays on the caller's
-thread, where a process that exits mid-compile does not abort.
+compiles the first step: the wait is the longer of the two, not their sum. The compile stays on
+the caller's thread, where a process that exits mid-compile does not abort.
 
 The wait for the work is bounded by `stuck`, asked about once a second: the error it returns
 ends the wait, named after what was waited for. When `meanwhile` fails, its error is raised once
@@ -25,13 +24,10 @@ def beside(work: Callable[[], Any],
            stuck: Callable[[], BaseException | None],
            *,
            name: str,
-           poll_secs: float = 1.0,
-           between: Callable[[float], None] | None = None) -> Any:
+           poll_secs: float = 1.0) -> Any:
   """`work()` on thread `name` while `meanwhile()` runs here; returns what `work` returned, or
   raises its error (the caller's thread sees it as if it had run here). `stuck()` returns the
-  error to raise when the work is taking too long, else None. `between(seconds)`, when given,
-  is what this thread does once `meanwhile` returned and the work still runs, in place of
-  waiting up to `seconds` (taking what the work hands over as it goes)."""
+  error to raise when the work is taking too long, else None."""
   out: dict[str, Any] = {}
 
   def run():
@@ -48,10 +44,7 @@ def beside(work: Callable[[], Any],
   except BaseException as e:  # pylint: disable=broad-except  # raised once the work has ended
     failed = e
   while thread.is_alive():
-    if between is None or failed is not None:
-      thread.join(poll_secs)
-    else:
-      between(poll_secs)
+    thread.join(poll_secs)
     if thread.is_alive() and (error := stuck()) is not None:
       raise failed or error
   if failed is not None:

@@ -1,13 +1,14 @@
 """A committed checkpoint's arrays read onto their target shardings, whatever mesh wrote them.
 
 - Across processes, or from several state files: each process reads the byte ranges of its
-  own shards (`boxrestore.restore`); given something to do `meanwhile`, on a thread of its own
-  while the caller does it, then the caller places them.
-- One safetensors file: read in runs of tensors, each run placed on the devices as soon as it is
-  read, overlapping the next reads. Or, given something to do `meanwhile` (the caller's compile of
-  its first step), read on a thread of its own while the caller does it, and placed by the caller
-  once it is done, as the rest lands: the read and its page faults cost the start nothing when
-  the compile is longer.
+  own shards a window of arrays at a time and places each window before it reads the next
+  (`boxrestore.restore`).
+- One safetensors file: read in windows of tensors, each placed on the devices as soon as it is
+  read, overlapping the next reads.
+- Given something to do `meanwhile` (the caller's compile of its first step), either of those
+  runs on a thread of its own while the caller does it, placing as it goes: the read and its
+  page faults cost the start nothing when the compile is longer, and the host holds a window or
+  two of the state, not all of it, while the compile runs.
 - Orbax: tensorstore reads what each device needs.
 
 A target leaf without a sharding (a numpy array, a `jax.ShapeDtypeStruct` made without one) is
@@ -20,7 +21,6 @@ older ones.
 from __future__ import annotations
 
 import os
-import queue
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, TypeVar
@@ -175,84 +175,40 @@ def read_arrays(step_dir: Path,
   an array). `verify=False`: the caller's check just read the file (no direct I/O needed).
   `shards`: `shard_rows`'s answer; given, each process reads the byte ranges of its shards.
   `meanwhile` runs on this thread while the state file, or this process's byte ranges of the
-  state files, are read on another (see the module's docstring); before the read from orbax.
+  state files, are read and placed on another (see the module's docstring); before the read
+  from orbax.
   `want` is `targets`'s answer: every leaf has its sharding."""
   single = data_file(meta)
   if shards is not None:
-    if meanwhile is None:
-      return _unless_removed(
-          step_dir, lambda: boxrestore.restore(step_dir, shards, want, checksums=checksums), meta)
-    held = boxrestore.held_boxes(want)  # this process's byte ranges, read beside `meanwhile`
-    boxes = beside.beside(
-        lambda: _unless_removed(
-            step_dir, lambda: boxrestore.read_boxes(step_dir, shards, held, checksums=checksums),
-            meta),
-        meanwhile,
-        _stuck(step_dir, boxrestore.read_bound(shards, held)),
-        name=READER)
-    return boxrestore.place(want, boxes)
-  if not single:
+    read: Callable[[], dict[str, jax.Array]] = lambda: boxrestore.restore(
+        step_dir, shards, want, checksums=checksums)
+    nbytes = boxrestore.read_bound(shards, boxrestore.held_boxes(want)) if meanwhile else 0
+  elif single:
+
+    def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+      # One batched call per run (andrea_12m's 233 leaves: 6 ms batched, 9 ms one device_put
+      # per leaf).
+      return dict(
+          zip(arrays, jax.device_put(list(arrays.values()), [want[n].sharding for n in arrays])))
+
+    read = lambda: read_state_file(
+        step_dir, meta, list(want), checksums=checksums, place=place, direct=verify)
+    nbytes = meta['files'][single]['size']
+  else:
     if meanwhile is not None:
       meanwhile()  # tensorstore reads what each device needs: on this thread, after it
     return _unless_removed(
         step_dir, lambda: orbaxstore.restore(step_dir / layout.STATE_DIR, want, partial=partial),
         meta)
-
-  def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    # One batched call per run (andrea_12m's 233 leaves: 6 ms batched, 9 ms one device_put
-    # per leaf).
-    return dict(
-        zip(arrays, jax.device_put(list(arrays.values()), [want[n].sharding for n in arrays])))
-
   if meanwhile is None:
-    return _unless_removed(
-        step_dir, lambda: read_state_file(
-            step_dir, meta, list(want), checksums=checksums, place=place, direct=verify), meta)
-  path = step_dir / single
-  stuck = _stuck(path, meta['files'][single]['size'])
-
-  # The reader hands each batch of tensors over as it lands; once `meanwhile` returns, this
-  # thread places them as they come (a host-to-device copy beside the rest of the read). None
-  # after the last: the wait for more ends there, not a poll interval later.
-  landed: queue.SimpleQueue = queue.SimpleQueue()
-  placed: dict[str, jax.Array] = {}
-  ended: list[bool] = []
-
-  def take(seconds: float) -> None:
-    if ended:  # the reader is returning: nothing more to wait for
-      time.sleep(0.001)
-      return
-    try:
-      got = landed.get(timeout=seconds)
-    except queue.Empty:
-      return
-    if got is None:
-      ended.append(True)
-    else:
-      placed.update(place(got))
-
-  def read() -> None:
-    try:
-      _unless_removed(
-          step_dir, lambda: read_state_file(
-              step_dir,
-              meta,
-              list(want),
-              checksums=checksums,
-              place=lambda a: landed.put(a) or {},
-              direct=verify), meta)
-    finally:
-      landed.put(None)
-
-  beside.beside(read, meanwhile, stuck, name=READER, between=take)
-  while True:  # what landed after the last look
-    try:
-      got = landed.get_nowait()
-    except queue.Empty:
-      break
-    if got is not None:
-      placed.update(place(got))
-  return placed
+    return _unless_removed(step_dir, read, meta)
+  # Each window is placed as it is read, on the reader's thread: beside a long compile the host
+  # holds a window or two, not the state.
+  return beside.beside(
+      lambda: _unless_removed(step_dir, read, meta),
+      meanwhile,
+      _stuck(step_dir / single if single else step_dir, nbytes),
+      name=READER)
 
 
 def _stuck(what: Path, nbytes: int) -> Callable[[], CheckpointError | None]:
