@@ -40,8 +40,9 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   what it needs; then every shard is checked and the sources printed as JSON). `-split`: the
   arrays of `SPLIT` alone; `-slow`: process 1's reads of the remote's parts take 12 s, process
   0's of its own files too, and the restore's group waits 6 s; `-cut`: process 0's shard table is cut short as it sends it; `-eio`: process
-  0's disk fails while it plans; `-flip` (save): process 2's replica of step 10 differs from its
-  owner's part."""
+  0's disk fails while it plans; `-r0`: the restore keeps no replicas; `-flip` (save): process
+  2's replica of step 10 differs from its owner's part. A restore's RESULT counts its rounds of
+  point-to-point sends and its subsets spread to several processes at once."""
   specs, slow = SPLIT if '-split' in cmd else SPECS, '-slow' in cmd
   import jax
   jax.config.update('jax_num_cpu_devices', 1)
@@ -114,8 +115,17 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
       raise OSError(5, 'Input/output error')
 
     peers._plan = plan
+  collectives = {'rounds': 0, 'spreads': 0}  # how the parts moved: counted, then done as ever
+  for name, real in (('rounds', sends._round), ('spreads', sends.spread)):
+
+    def counted(*a, name=name, real=real):
+      collectives[name] += 1
+      return real(*a)
+
+    setattr(sends, '_round' if name == 'rounds' else 'spread', counted)
   try:
-    got = peers.restore_dir(directory, target, multihost.Group(timeout), remote, replicas=1)
+    got = peers.restore_dir(
+        directory, target, multihost.Group(timeout), remote, replicas=0 if '-r0' in cmd else 1)
   except CheckpointError as e:
     print(f'ERROR {e}', flush=True)
     sys.exit(3)
@@ -127,7 +137,7 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   for name, x in state.items():
     for shard in x.addressable_shards:
       np.testing.assert_array_equal(np.asarray(shard.data), (want[name] * got.step)[shard.index])
-  print('RESULT ' + json.dumps({'step': got.step, **got.sources}), flush=True)
+  print('RESULT ' + json.dumps({'step': got.step, **got.sources, **collectives}), flush=True)
 
 
 def _run(tmp_path, compile_cache, *args, code: int = 0) -> list[str]:
@@ -301,6 +311,38 @@ def test_with_every_disk_wiped_each_process_reads_its_own_part_from_the_remote(
         (whole / 'manifest.json').read_bytes()
     assert (_state(tmp_path, k, 10) / f'process_{k}.safetensors').read_bytes() == \
         (whole / 'state' / f'process_{k}.safetensors').read_bytes()
+
+
+def test_a_subset_several_processes_need_goes_to_all_of_them_in_one_collective(
+    tmp_path, compile_cache, s3_server, saved_10):
+  """Every disk wiped, no replicas kept: each process reads its own part from the remote, and the
+  replicated arrays in it are needed, alike, by both others. They get them together, spread
+  in one collective per window (a fully sharded job of N processes: one, where rounds of
+  point-to-point sends took N - 1), each a subset checked against the shard table."""
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  url, whole = _uploaded_and_wiped(tmp_path, s3_server)
+  results = _results(_run(tmp_path, compile_cache, 'restore-r0', url, '10'))
+  assert [r['step'] for r in results] == [10] * COUNT
+  assert [r['rounds'] for r in results] == [0] * COUNT  # no part sent to one process at a time
+  spread = [
+      k for k in range(COUNT)
+      if (_state(tmp_path, (k + 1) % COUNT, 10) / f'process_{k}.safetensors.subset').exists()
+  ]
+  assert spread and all(r['spreads'] == len(spread) for r in results)
+  for k in spread:
+    part = safetensors.numpy.load_file(whole / 'state' / f'process_{k}.safetensors')
+    copies = [
+        _state(tmp_path, j, 10) / f'process_{k}.safetensors.subset' for j in range(COUNT) if j != k
+    ]
+    assert copies[0].read_bytes() == copies[1].read_bytes()  # the same tensors to both
+    got = safetensors.numpy.load_file(copies[0])
+    assert got and set(got) < set(part) and all(got[n].tobytes() == part[n].tobytes() for n in got)
+  assert [r['peers'] for r in results] == [
+      sum((_state(tmp_path, j, 10) / f'process_{k}.safetensors.subset').stat().st_size
+          for k in spread
+          if k != j)
+      for j in range(COUNT)
+  ]
 
 
 def test_the_others_wait_for_a_slow_read_of_the_remote_past_the_groups_timeout(

@@ -24,7 +24,10 @@ still hold the bytes between them:
    own; disk reads and writes overlap the collective. Each part received is CRC-checked against
    the manifest, fsynced and renamed into the step directory; the small files go by
    `sends.broadcast` (`multihost_utils.broadcast_one_to_all`), and a
-   process that held nothing of the checkpoint gets its manifest last (the commit marker).
+   process that held nothing of the checkpoint gets its manifest last (the commit marker). A
+   process that needs less than half of a part gets those tensors alone (a subset); where
+   several get the same subset of a part (a fully sharded job's step counter: all but its
+   owner), it goes to all of them at once (`sends.spread`), and the plan lists those tensors once.
 
 Each process then restores from its own step directory as from any other, reading only the byte
 ranges its devices need. The `Group` waits are bounded by its timeout, and every process waits
@@ -251,11 +254,17 @@ def _plan(ckpt_dir: Path,
     # for a part of a larger job: it uploads those), its replica keepers and its reader.
     keep = own if 0 <= own < count else 0
     full = {keep, *(holders_of(keep, count, replicas) if keep == own else ())}
-    subsets = {
-        str(k): tensors for k in receivers if k not in full and (holders or k != first)
-        for tensors in [_subset(wanted[k][rel], dtypes, m['files'][rel]['size'])] if tensors
-    }
-    moves.append([rel, source, sorted(receivers, key=lambda k: (k != first, k)), subsets])
+    # Those that get the same tensors are listed once with them: [[receivers], tensors].
+    subsets: dict[str, list] = {}
+    for k in receivers:
+      tensors = None if k in full or (not holders and k == first) else _subset(
+          wanted[k][rel], dtypes, m['files'][rel]['size'])
+      if tensors:
+        subsets.setdefault(json.dumps(tensors), [[], tensors])[0].append(k)
+    moves.append(
+        [rel, source,
+         sorted(receivers, key=lambda k: (k != first, k)),
+         list(subsets.values())])
   files = {rel: m['files'][rel] for rel in holdings.parts(m)}
   meta = {name: m['files'][name]['size'] for name in whole}
   return {
@@ -330,13 +339,20 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   pairs, reads = [], []  # (part, from, to); a part no process holds is read from the remote
   load: dict[int, int] = {}  # the bytes each process reads from the remote, which the rest wait for
   subsets = {}  # (part, receiver): the tensors of it that receiver gets alone
-  for rel, source, receivers, *rest in plan['moves']:  # first, by the receiver named first
-    subsets.update({(rel, int(k)): tensors for k, tensors in (rest or [{}])[0].items()})
+  spreads = []  # (part, sender, receivers, tensors): several get the same, in one collective
+  for rel, source, receivers, groups in plan['moves']:  # first, by the receiver named first
     if source == -1:
       source = receivers[0]
       reads += [rel] if me == source else []
       load[source] = load.get(source, 0) + plan['files'][rel]['size']
-    pairs += [(rel, source, k) for k in receivers if k != source]
+    alike: set[int] = set()
+    for group_of, tensors in groups:
+      if len(group_of) > 1:
+        spreads.append((rel, source, group_of, tensors))
+        alike |= set(group_of)
+      else:
+        subsets[rel, group_of[0]] = tensors
+    pairs += [(rel, source, k) for k in receivers if k != source and k not in alike]
   if reads:
     sources['remote'] = local(lambda: remote.fetch(step, reads, work, plan['files'])) or 0
   gate(
@@ -348,6 +364,12 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
                              subsets)
   sources['peers'] = got
   problems += [problem] if problem else []
+  for rel, source, group_of, tensors in spreads:
+    path = layout.safe_member(work, rel)
+    got, problem = sends.spread((path, tensors) if me == source else None, tensors,
+                                path if me in group_of else None)
+    sources['peers'] += got
+    problems += [problem] if problem else []
   sources['own'] = sum(plan['files'][r]['size'] for r in plan['needs'][me] if r in mine)
   if not have:
     local(lambda: _commit(work, final, raw, plan['seal'], step))

@@ -12,7 +12,10 @@ processes) gets those alone: a state file of their own (`subset_header`, then ea
 bytes, read from the sender's copy), written beside where the part would be
 (`<part>.safetensors.subset`) and checked against the CRC-32 the shard table gives each tensor,
 combined with the header's. A restore reads a part's tensors from it where the part is absent.
-A small file goes from one process to all (`broadcast`) with `broadcast_one_to_all`.
+A small file goes from one process to all (`broadcast`) with `broadcast_one_to_all`, and so does
+a subset that several processes need alike (`spread`: the step counter of a fully sharded job,
+which every process but its owner needs): one collective per window for all of them, where
+`carry` would take a round per receiver.
 """
 
 from __future__ import annotations
@@ -95,11 +98,8 @@ def carry(pairs: list[Pair],
       target = (path.with_name(path.name + layout.SUBSET) if
                 (into[0], me) in subsets else path, specs[into[0], me])
     failed = _round(perm, size, source, target, bufs)
-    if target and not failed and target[0] != path:  # a subset: a copy of the part is not intact
-      try:
-        path.unlink(missing_ok=True)
-      except OSError as e:
-        failed = f'{path}: not intact, and cannot be removed: {e.strerror or e}'
+    if target and not failed and target[0] != path:  # a subset
+      failed = _subset_in(path)
     problem = problem or failed
     received += target[1]['size'] if target and not failed else 0
   return received, problem
@@ -286,31 +286,121 @@ def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | No
   collective, in windows): (its bytes for a receiver, else None; this process's problem or
   None). A source that cannot read sends zeros to the end (the others' CRC checks fail) and says
   why. Every process calls it with the same `size`."""
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  window = SMALL if size <= SMALL else WINDOW
   got, problem = [], None
   try:
     fin = open(source, 'rb') if source is not None else None  # pylint: disable=consider-using-with
   except OSError as e:
     fin, problem = None, f'{source}: {e.strerror or e}'
+
+  def fill(view: memoryview, _: int) -> None:
+    try:
+      n = fin.readinto(view)
+    except OSError as e:
+      raise OSError(f'{source}: {e.strerror or e}') from e
+    if n != len(view):
+      raise OSError(f'{source} ends early')
+
   try:
-    for lo in range(0, size, window):
-      n = min(window, size - lo)
-      buf = np.zeros(window, np.uint8)
-      try:  # a read that fails sends zeros: the receivers' checks fail, none left waiting
-        if fin is not None and problem is None and fin.readinto(memoryview(buf)[:n]) != n:
-          problem = f'{source} ends early'
-      except OSError as e:
-        problem, buf[:] = f'{source}: {e.strerror or e}', 0
-      out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=source is not None))
-      got.append(out[:n].tobytes())
+    sent = _broadcast(size, fill if fin is not None else None, source is not None,
+                      lambda _, data: got.append(data.tobytes()))
+    problem = problem or sent
   finally:
     if fin is not None:
       fin.close()
   return (b''.join(got) if receive else None), problem
 
 
+def spread(source: tuple[Path, Tensors] | None, tensors: Tensors,
+           into: Path | None) -> tuple[int, str | None]:
+  """The same subset of a part from its sender to every process at once, window by window, in
+  one collective each (a broadcast): where many processes need the same few tensors of one part
+  (the step counter of a fully sharded job: every process but its owner), one collective per
+  window instead of a round of `carry` per receiver. `source`: (the sender's copy of the part,
+  the tensors); `into`: the part's path on a receiver, which gets `<part>.subset`, checked
+  against `subset_spec(tensors)`. Every process calls it with the same `tensors`. Returns (the
+  bytes this process received intact, its problem or None)."""
+  spec = subset_spec(tensors)
+  fd, problems = None, []
+  try:
+    fd = os.open(source[0], os.O_RDONLY) if source is not None else None
+    segments = _segments(source[0], fd, tensors, spec['size']) if fd is not None else []
+  except OSError as e:
+    problems.append(f'{e.filename}: {e.strerror or e}')
+  except CheckpointError as e:
+    problems.append(e.line())
+  target = None if into is None else into.with_name(into.name + layout.SUBSET)
+  tmp = None if target is None else target.with_name(target.name + layout.PEER_TMP)
+  crc, fout = 0, None
+  try:
+    fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if tmp else None
+  except OSError as e:
+    problems.append(f'{e.filename}: {e.strerror or e}')
+
+  def keep(lo: int, data: np.ndarray) -> None:
+    nonlocal crc
+    if fout is not None:
+      os.pwrite(fout, data, lo)
+      crc = crc32(data, crc)
+
+  try:
+    sent = _broadcast(spec['size'], (lambda view, lo: _fill(fd, source[0], segments, view, lo))
+                      if fd is not None and not problems else None, source is not None, keep)
+    problems += [sent] if sent and source is not None else []
+    if fout is not None:
+      os.fsync(fout)
+  except OSError as e:
+    problems.append(f'{e.filename}: {e.strerror or e}')
+  finally:
+    for f in (fd, fout):
+      if f is not None:
+        os.close(f)
+  if target is None or problems:
+    if tmp is not None:
+      tmp.unlink(missing_ok=True)
+    return 0, problems[0] if problems else None
+  if f'{crc:08x}' != spec['crc32']:
+    tmp.unlink(missing_ok=True)
+    return 0, (f'{target}: what was received does not match the shard table (crc32 {crc:08x}, '
+               f'expected {spec["crc32"]})')
+  os.replace(tmp, target)
+  return spec['size'], _subset_in(into)
+
+
+def _subset_in(path: Path) -> str | None:
+  """A subset of the part at `path` is in: a copy of the part beside it is not intact (else it
+  would have been read), and goes. The problem, when it cannot."""
+  try:
+    path.unlink(missing_ok=True)
+    return None
+  except OSError as e:
+    return f'{path}: not intact, and cannot be removed: {e.strerror or e}'
+
+
+def _broadcast(size: int, fill: Callable[[memoryview, int], None] | None, is_source: bool,
+               keep: Callable[[int, np.ndarray], None]) -> str | None:
+  """`size` bytes from the process where `is_source` to every process, a window at a time
+  (`multihost_utils.broadcast_one_to_all`): the source's `fill(view, offset)` makes each window;
+  every process's `keep(offset, bytes)` takes it. A `fill` that fails (or none, on the source)
+  sends zeros to the end: every process takes part in every window. The source's problem, or
+  None."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  window = SMALL if size <= SMALL else WINDOW
+  problem = None if fill is not None or not is_source else 'nothing to send'
+  buf = np.zeros(window, np.uint8)
+  for lo in range(0, size, window):
+    n = min(window, size - lo)
+    buf[:] = 0
+    try:  # a read that fails sends zeros: the receivers' checks fail, none left waiting
+      if fill is not None and problem is None:
+        fill(memoryview(buf)[:n], lo)
+    except (OSError, CheckpointError) as e:
+      problem, buf[:] = (e.line() if isinstance(e, CheckpointError) else str(e)), 0
+    out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source))
+    keep(lo, out[:n])
+  return problem
+
+
 __all__ = [
-    'SMALL', 'WINDOW', 'broadcast', 'carry', 'rounds', 'subset_header', 'subset_spec',
+    'SMALL', 'WINDOW', 'broadcast', 'carry', 'rounds', 'spread', 'subset_header', 'subset_spec',
     'tensor_bytes'
 ]
