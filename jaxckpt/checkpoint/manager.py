@@ -427,10 +427,10 @@ class CheckpointManager:
 
     `verify=False` skips checking the files against the manifest, for a caller that just did.
 
-    `meanwhile()` (a compile of the first step) runs on this thread while the state file is read
-    into host memory on another; then this thread places what landed, the rest as it lands (from
-    several files, this process's byte ranges, placed once read). From orbax, the read follows.
-    """
+    `meanwhile()` (a compile of the first step) runs on this thread while the state file (from
+    several files, this process's byte ranges) is read on another, each window placed on the
+    devices as it is read: the host holds a window or two, not the state. From orbax, the read
+    follows."""
     step_dir = self._resolve(step_or_dir)
     raw, meta = reading.manifest_bytes(step_dir)  # E-CKPT-010 once retention removed it
     checksums = verify and self.options.verify_checksums
