@@ -115,6 +115,16 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
       raise OSError(5, 'Input/output error')
 
     peers._plan = plan
+  if '-enospc' in cmd:  # subsets in windows of 64 bytes; process 2's disk full as they come
+    sends.SMALL = 64
+    if process == 2:
+      import errno
+      import os
+
+      def full(*_):
+        raise OSError(errno.ENOSPC, 'No space left on device')
+
+      sends.os = type('os', (), {'__getattr__': lambda _, n: getattr(os, n), 'pwrite': full})()
   collectives = {'rounds': 0, 'spreads': 0}  # how the parts moved: counted, then done as ever
   for name, real in (('rounds', sends._round), ('spreads', sends.spread)):
 
@@ -343,6 +353,19 @@ def test_a_subset_several_processes_need_goes_to_all_of_them_in_one_collective(
           if k != j)
       for j in range(COUNT)
   ]
+
+
+def test_a_receiver_whose_disk_fills_while_a_subset_spreads_stops_every_process_together(
+    tmp_path, compile_cache, s3_server, saved_10):
+  """A failed write of one window does not take that process out of the later windows'
+  collectives (the others would wait there for ever): it takes part to the end, and every
+  process then stops with E-CKPT-016 naming it."""
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  url, _ = _uploaded_and_wiped(tmp_path, s3_server)
+  for text in _run(tmp_path, compile_cache, 'restore-r0-enospc', url, '10', code=3):
+    assert 'E-CKPT-016: the restore of step 10 from the peers failed on process(es) [2]' in text
+    assert 'No space left on device' in text, text[-2000:]
+  assert not list((tmp_path / 'host2').rglob('*.peer-tmp'))  # nothing half-received left
 
 
 def test_the_others_wait_for_a_slow_read_of_the_remote_past_the_groups_timeout(

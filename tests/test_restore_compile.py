@@ -415,3 +415,15 @@ def test_beside_meanwhile_each_window_is_placed_as_it_is_read(tmp_path, monkeypa
   windows = [p for p in placed if p[0] == reading.READER]
   assert len(windows) >= 3 and windows == placed  # several, none left for the caller
   assert all(during for _, during in placed)  # each while meanwhile still ran
+
+
+def test_beside_meanwhile_a_callers_enable_x64_holds_on_the_reader(tmp_path):
+  """`jax.enable_x64` holds on the thread that entered it: the reader, which places what it
+  reads, takes the caller's, so a 64-bit counter comes back 64-bit and whole."""
+  with jax.enable_x64(True):
+    state = {'count': jax.device_put(np.int64(2**40)), 'w': jax.device_put(np.arange(4.0))}
+    with CheckpointManager(tmp_path, CheckpointOptions(mode='sync')) as mgr:
+      mgr.save(1, state)
+      restored, _ = mgr.restore(1, _abstract(state), meanwhile=lambda: None)
+    assert restored['count'].dtype == np.int64 and int(restored['count']) == 2**40
+    assert restored['w'].dtype == np.float64

@@ -6,7 +6,7 @@ placed on the devices.
 a larger array is a window of its own), each window placed before the next is read: onto an
 accelerator the host buffers are copied to the devices and dropped, so the host holds a window,
 not this process's share of the state (on the CPU the buffers become the arrays). A restore
-beside a compile reads every box first (`read_boxes`, no jax) and places them after (`place`).
+beside a compile does the same on a thread of its own (`reading.read_arrays`).
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def read_boxes(step_dir: Path,
                checksums: bool,
                files=None) -> dict[str, dict[Box, np.ndarray]]:
   """{name: {box: host array}} of the boxes `held_boxes` named, read from the files (`files`:
-  `boxread.open_files`, kept open across calls). No jax runs here: a restore reads on a thread
-  of its own beside a compile."""
+  `boxread.open_files`, kept open across calls). No jax runs here: `place` puts them on the
+  devices."""
   boxes = {
       name: {b: np.empty([hi - lo for lo, hi in b], dtype) for b in got}
       for name, (got, dtype) in held.items()

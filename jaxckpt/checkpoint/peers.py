@@ -364,9 +364,10 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
                              subsets)
   sources['peers'] = got
   problems += [problem] if problem else []
-  for rel, source, group_of, tensors in spreads:
-    path = layout.safe_member(work, rel)
-    got, problem = sends.spread((path, tensors) if me == source else None, tensors,
+  for rel, source, group_of, tensors in spreads:  # every process, whatever failed here
+    path = local(lambda rel=rel: layout.safe_member(work, rel)) if me == source or \
+        me in group_of else None
+    got, problem = sends.spread((path, tensors) if me == source and path else None, tensors,
                                 path if me in group_of else None)
     sources['peers'] += got
     problems += [problem] if problem else []

@@ -203,12 +203,16 @@ def read_arrays(step_dir: Path,
   if meanwhile is None:
     return _unless_removed(step_dir, read, meta)
   # Each window is placed as it is read, on the reader's thread: beside a long compile the host
-  # holds a window or two, not the state.
+  # holds a window or two, not the state. The caller's `jax.enable_x64(...)`, which holds on its
+  # own thread alone, holds on the reader's too: 64-bit arrays stay 64-bit.
+  x64 = bool(jax.config.jax_enable_x64)
+
+  def placed() -> dict[str, jax.Array]:
+    with jax.enable_x64(x64):
+      return _unless_removed(step_dir, read, meta)
+
   return beside.beside(
-      lambda: _unless_removed(step_dir, read, meta),
-      meanwhile,
-      _stuck(step_dir / single if single else step_dir, nbytes),
-      name=READER)
+      placed, meanwhile, _stuck(step_dir / single if single else step_dir, nbytes), name=READER)
 
 
 def _stuck(what: Path, nbytes: int) -> Callable[[], CheckpointError | None]:

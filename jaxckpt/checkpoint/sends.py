@@ -348,32 +348,37 @@ def spread(source: tuple[Path, Tensors] | None, tensors: Tensors,
     problems.append(f'{e.filename}: {e.strerror or e}')
 
   def keep(lo: int, data: np.ndarray) -> None:
+    # A write that fails is kept as this process's problem: it goes on taking every window.
     nonlocal crc
-    if fout is not None:
-      os.pwrite(fout, data, lo)
-      crc = crc32(data, crc)
+    if fout is not None and not problems:
+      try:
+        os.pwrite(fout, data, lo)
+        crc = crc32(data, crc)
+      except OSError as e:
+        problems.append(f'{tmp}: {e.strerror or e}')
 
-  try:
-    sent = _broadcast(spec['size'], (lambda view, lo: _fill(fd, source[0], segments, view, lo))
-                      if fd is not None and not problems else None, source is not None, keep)
-    problems += [sent] if sent and source is not None else []
-    if fout is not None:
-      os.fsync(fout)
-  except OSError as e:
-    problems.append(f'{e.filename}: {e.strerror or e}')
-  finally:
-    for f in (fd, fout):
-      if f is not None:
-        os.close(f)
-  if target is None or problems:
-    if tmp is not None:
+  sent = _broadcast(spec['size'], (lambda view, lo: _fill(fd, source[0], segments, view, lo))
+                    if fd is not None and not problems else None, source is not None, keep)
+  problems += [sent] if sent and source is not None else []
+  try:  # after the collectives: what fails here is said, never raised
+    try:
+      if fout is not None and not problems:
+        os.fsync(fout)
+    finally:
+      for f in (fd, fout):
+        if f is not None:
+          os.close(f)
+    if target is None or problems:
+      if tmp is not None:
+        tmp.unlink(missing_ok=True)
+      return 0, problems[0] if problems else None
+    if f'{crc:08x}' != spec['crc32']:
       tmp.unlink(missing_ok=True)
-    return 0, problems[0] if problems else None
-  if f'{crc:08x}' != spec['crc32']:
-    tmp.unlink(missing_ok=True)
-    return 0, (f'{target}: what was received does not match the shard table (crc32 {crc:08x}, '
-               f'expected {spec["crc32"]})')
-  os.replace(tmp, target)
+      return 0, (f'{target}: what was received does not match the shard table (crc32 '
+                 f'{crc:08x}, expected {spec["crc32"]})')
+    os.replace(tmp, target)
+  except OSError as e:
+    return 0, problems[0] if problems else f'{e.filename or tmp}: {e.strerror or e}'
   return spec['size'], _subset_in(into)
 
 

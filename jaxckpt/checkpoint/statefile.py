@@ -23,8 +23,8 @@ hole, as the reference parser demands. What makes it fast:
 Reads mirror it: reader threads fill page-aligned buffers with O_DIRECT, a window of at most
 256 MiB of tensors at a time (a larger tensor is one of its own) and the next one in flight,
 while this thread checks CRCs and hands finished tensors, as views, to `place`: a restore onto
-an accelerator holds two windows of host memory, not the state (unless its caller keeps what
-lands for later, as a restore beside a compile does until the compile ends). A header that lies (about
+an accelerator holds two windows of host memory, not the state (beside a compile too: the
+reader's thread places them). A header that lies (about
 offsets, shapes, dtypes or its own length), a truncated or padded file, or a hole between
 tensors is a one-line `E-CKPT-012` naming the file; nothing is read out of bounds.
 """
