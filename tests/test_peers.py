@@ -87,7 +87,7 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
     from jaxckpt.checkpoint.remote import Store, partial
     newest = None if rest[1] == 'none' else int(rest[1])
     remote = partial.peer_source(Store(rest[0]), newest, inspect=process == 0)
-  from jaxckpt.checkpoint import CheckpointError, sends
+  from jaxckpt.checkpoint import CheckpointError, peerplan, sends
   sends.WINDOW = 256  # each part in several windows, the last one short: a real part's path
   timeout = 60
   if slow:  # a remote far slower than the group's timeout, for a part only its reader needs
@@ -114,7 +114,7 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
     def plan(*_):
       raise OSError(5, 'Input/output error')
 
-    peers._plan = plan
+    peerplan.build = plan
   if '-enospc' in cmd:  # subsets in windows of 64 bytes; process 2's disk full as they come
     sends.SMALL = 64
     if process == 2:

@@ -348,8 +348,9 @@ def needed_shards(shards: shardtable.Table,
       boxes.setdefault(_box(index, shape), set()).add(device.process_index)
     for box, processes in boxes.items():
       for s in shards.overlapping(name, box):
+        row = {**s, 'array': name}  # one row however many processes need it (read, not changed)
         for k in processes:
-          out[k].setdefault(s['file'], {})[s['tensor']] = {**s, 'array': name}
+          out[k].setdefault(s['file'], {})[s['tensor']] = row
   return out
 
 

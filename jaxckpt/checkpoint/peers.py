@@ -13,12 +13,12 @@ still hold the bytes between them:
    so that one needs no process to hold a byte of it. Every process then checks the CRC-32 of
    the parts it holds of it; a damaged one is passed over for another holder, or the remote, or
    the next checkpoint.
-3. Process 0 says who sends what to whom: each process needs the parts that hold the shards its
-   devices will hold (whatever mesh it restores to), and lacks some of them (a replacement host's
-   wiped disk: all of them). A part that some process holds is sent from there; one that no
-   living process holds is read from the remote by one process that needs it (of those, the one
-   that has read least so far), then sent on: each byte of the remote once in the job, about
-   1/N of it per process when every process needs every part (replicated arrays).
+3. Process 0 says who sends what to whom (`peerplan`): each process needs the parts that hold
+   the shards its devices will hold (whatever mesh it restores to), and lacks some of them (a
+   replacement host's wiped disk: all of them). A part that some process holds is sent from
+   there; one that no living process holds is read from the remote by one process that needs it
+   (of those, the one that has read least so far), then sent on: each byte of the remote once in
+   the job, about 1/N of it per process when every process needs every part (replicated arrays).
 4. The parts move point to point, in rounds of sends that run at once, each a JAX collective
    permute in windows (`sends`: NCCL, ICI, gloo on CPU), never a transport of this package's
    own; disk reads and writes overlap the collective. Each part received is CRC-checked against
@@ -44,17 +44,12 @@ import dataclasses
 import itertools
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import (atomic, checksum, holdings, layout, manifest, multihost, sends, shardtable,
-               statefile)
+from . import atomic, checksum, holdings, layout, manifest, multihost, peerplan, sends
 from .holdings import META, held, tidy
-from .replicas import holders as holders_of
 from .errors import CheckpointError
-from .formats import data_file
-from .tree import named_leaves
 
 # Bytes/s: the slowest read of the remote that the other processes wait for, beyond the group's
 # timeout (a read that stops moving is the store's own error long before).
@@ -145,8 +140,9 @@ def restore_dir(ckpt_dir: Path,
 
   def plan_for(step: int, seal: str, intact: list[str]) -> dict[str, Any] | None:
     try:
-      plan = _plan(ckpt_dir, step, [holdings.names(v) for v in intact], target, group.count, remote,
-                   replicas)
+      plan = peerplan.build(ckpt_dir, step, [holdings.names(v) for v in intact], target,
+                            group.count, remote is not None
+                            and (remote.step, remote.seal) == (step, seal), replicas)
     except CheckpointError as e:  # its shard table is damaged here: said, and passed over
       _log.warning('step %d passed over for a restore from the peers: %s', step, e.what)
       plan = None
@@ -210,96 +206,11 @@ def _next(ckpt_dir: Path, views: list[dict], remote: Remote | None,
   return None
 
 
-def _plan(ckpt_dir: Path,
-          step: int,
-          intact: list[list[str]],
-          target: Any,
-          count: int,
-          remote: Remote | None,
-          replicas: int = 0) -> dict[str, Any] | None:
-  """Process 0: who sends which part to whom ({'step', 'seal', 'files', 'moves', 'needs', and
-  the checkpoint's own files: 'meta' sizes, 'own' entries, 'from' whom, 'meta_to' whom}); None
-  when a part (or an own file) is held intact by no process and not by the remote."""
-  path = ckpt_dir / layout.step_dirname(step)
-  raw = (path / layout.MANIFEST).read_bytes()
-  m = manifest.parse(path, raw)
-  whole = holdings.own_files(m)
-  # Each of the checkpoint's own files is sent from a process that holds it intact (process 0
-  # first: its disk always holds the shard table), the manifest from process 0.
-  senders = {name: [k for k in range(count) if name in intact[k]] for name in whole}
-  if not all(senders.values()):
-    return None
-  seal = manifest.seal_of(raw)
-  on_remote = remote is not None and (remote.step, remote.seal) == (step, seal)
-  wanted = multihost.needed_shards(
-      shardtable.shard_table(path, m, data_file(m)), named_leaves(target), count)
-  needs = [set(w) for w in wanted]
-  dtypes = {r['name']: r['dtype'] for r in m['tensors']}
-  moves, load = [], [0] * count  # the bytes each process reads from the remote
-  for rel in holdings.parts(m):
-    holders = [k for k in range(count) if rel in intact[k]]
-    receivers = [k for k in range(count) if rel in needs[k] and rel not in intact[k]]
-    if not receivers:
-      continue
-    if not holders and not on_remote:
-      return None
-    own = _owner(rel)  # the part's own process sends it first
-    # One that no process holds is read from the remote by the receiver that has read least
-    # of it so far (its own process first): each byte once in the job, spread over the job.
-    first = own if holders else min(receivers, key=lambda k: (load[k], k != own, k))
-    if not holders:
-      load[first] += m['files'][rel]['size']
-    source = (own if own in holders else holders[0]) if holders else -1
-    # A receiver that needs a few of its tensors gets those, but the part's owner (process 0
-    # for a part of a larger job: it uploads those), its replica keepers and its reader.
-    keep = own if 0 <= own < count else 0
-    full = {keep, *(holders_of(keep, count, replicas) if keep == own else ())}
-    # Those that get the same tensors are listed once with them: [[receivers], tensors].
-    subsets: dict[str, list] = {}
-    for k in receivers:
-      tensors = None if k in full or (not holders and k == first) else _subset(
-          wanted[k][rel], dtypes, m['files'][rel]['size'])
-      if tensors:
-        subsets.setdefault(json.dumps(tensors), [[], tensors])[0].append(k)
-    moves.append(
-        [rel, source,
-         sorted(receivers, key=lambda k: (k != first, k)),
-         list(subsets.values())])
-  files = {rel: m['files'][rel] for rel in holdings.parts(m)}
-  meta = {name: m['files'][name]['size'] for name in whole}
-  return {
-      'step': step, 'seal': seal, 'files': files, 'moves': moves,
-      'meta': {**meta, layout.MANIFEST: len(raw)}, 'own': {name: m['files'][name] for name in whole},
-      'from': {name: k[0] for name, k in senders.items()}, 'needs': [sorted(n) for n in needs],
-      'meta_to': [k for k in range(count) if not set(whole) <= set(intact[k])]
-  }
-
-
-def _subset(shards: Mapping[str, Mapping[str, Any]], dtypes: Mapping[str, str],
-            size: int) -> list | None:
-  """`sends.Tensors` of `shards` ({tensor: shard row}) when they are less than half of a part
-  of `size` bytes (each with its CRC-32); None: the part is sent whole."""
-  tensors, nbytes = [], 0
-  for name, s in sorted(shards.items()):
-    code = statefile.CODES.get(dtypes.get(s['array'], ''))
-    if code is None or not re.fullmatch(r'[0-9a-f]{8}', str(s.get('crc32'))):
-      return None
-    tensors.append([name, code, list(s['shape']), s['crc32']])
-    nbytes += sends.tensor_bytes(code, s['shape'])
-  return tensors if 2 * nbytes < size else None
-
-
-def _owner(rel: str) -> int:
-  try:
-    return int(Path(rel).stem.rsplit('_', 1)[1])
-  except (IndexError, ValueError):
-    return -1
-
-
 def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: multihost.Group,
                remote: Remote | None) -> Restored:
   """Every process, in the same order: the checkpoint's own files to those that lack them, each
-  move's part from its source (read from the remote first when it is -1), then the commit of a
+  move's part from its sender (which reads it from the remote first where no process holds it),
+  then the commit of a
   step directory that was not here. A local failure (a full disk, a store error, a part that
   arrives damaged) does not take a process out of the collectives: it takes part in all of
   them, then every process raises E-CKPT-016 together, naming it."""
@@ -326,33 +237,22 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
 
   local(lambda: (work / layout.STATE_DIR).mkdir(parents=True, exist_ok=True))
   raw = b''
-  if plan['meta_to']:
+  meta_to = peerplan.members(plan['meta_to'])
+  if meta_to:
     gate('meta', f"step {step}'s own files, sent to the processes without them")
-  for name in plan['meta'] if plan['meta_to'] else ():  # the manifest last
+  for name in plan['meta'] if meta_to else ():  # the manifest last
     got, problem = sends.broadcast(final / name if me == plan['from'].get(name, 0) else None,
-                                   plan['meta'][name], me in plan['meta_to'])
+                                   plan['meta'][name], me in meta_to)
     problems += [problem] if problem else []
     if name == layout.MANIFEST:
       raw = got or b''
     elif got is not None:  # checked against the manifest before it goes into a step directory
       local(lambda got=got, name=name: _write_own(work / name, got, plan['own'][name], step))
-  pairs, reads = [], []  # (part, from, to); a part no process holds is read from the remote
+  moves = peerplan.moves_of(plan)
+  reads = [rel for rel, k in moves.reads.items() if k == me]
   load: dict[int, int] = {}  # the bytes each process reads from the remote, which the rest wait for
-  subsets = {}  # (part, receiver): the tensors of it that receiver gets alone
-  spreads = []  # (part, sender, receivers, tensors): several get the same, in one collective
-  for rel, source, receivers, groups in plan['moves']:  # first, by the receiver named first
-    if source == -1:
-      source = receivers[0]
-      reads += [rel] if me == source else []
-      load[source] = load.get(source, 0) + plan['files'][rel]['size']
-    alike: set[int] = set()
-    for group_of, tensors in groups:
-      if len(group_of) > 1:
-        spreads.append((rel, source, group_of, tensors))
-        alike |= set(group_of)
-      else:
-        subsets[rel, group_of[0]] = tensors
-    pairs += [(rel, source, k) for k in receivers if k != source and k not in alike]
+  for rel, k in moves.reads.items():
+    load[k] = load.get(k, 0) + plan['files'][rel]['size']
   if reads:
     sources['remote'] = local(lambda: remote.fetch(step, reads, work, plan['files'])) or 0
   gate(
@@ -360,18 +260,18 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
                                               f'{sum(load.values()) / 1e6:.1f} MB of it from the '
                                               'remote' if load else ''),
       group.timeout_secs + max(load.values(), default=0) / FETCH_FLOOR)
-  got, problem = sends.carry(pairs, plan['files'], me, lambda rel: layout.safe_member(work, rel),
-                             subsets)
+  got, problem = sends.carry(moves.pairs, plan['files'], me,
+                             lambda rel: layout.safe_member(work, rel), moves.subsets)
   sources['peers'] = got
   problems += [problem] if problem else []
-  for rel, source, group_of, tensors in spreads:  # every process, whatever failed here
+  for rel, source, group_of, tensors in moves.spreads:  # every process, whatever failed here
     path = local(lambda rel=rel: layout.safe_member(work, rel)) if me == source or \
         me in group_of else None
     got, problem = sends.spread((path, tensors) if me == source and path else None, tensors,
                                 path if me in group_of else None)
     sources['peers'] += got
     problems += [problem] if problem else []
-  sources['own'] = sum(plan['files'][r]['size'] for r in plan['needs'][me] if r in mine)
+  sources['own'] = plan['held'][me]
   if not have:
     local(lambda: _commit(work, final, raw, plan['seal'], step))
   else:
