@@ -82,20 +82,32 @@ def _lost_host(count: int) -> list[list[str]]:
   return intact
 
 
-def test_every_process_is_sent_each_part_it_lacks_by_its_owner_and_reads_the_rest(tmp_path):
+def test_a_part_several_processes_lack_goes_to_all_of_them_at_once_from_its_owner(tmp_path):
+  """Data parallel, host 1 lost: every process needs every part, and holds two. Each part goes
+  from its owner (process 1's from its replica on process 2) to all that lack it together, in
+  one collective per window (`sends.spread`), not one round per receiver; each process reads
+  the two it holds from its own disk."""
   files, target = _checkpoint(tmp_path, 6, leaves=12)
   plan = peerplan.build(tmp_path, 1, _lost_host(6), target, 6, False, 1)
   moves = peerplan.moves_of(plan)
-  # Part s is on processes s and s + 1 (its replica), but 1; its owner sends it, or its replica.
-  holders = [{s, (s + 1) % 6} - {1} for s in range(6)]
-  want = {
-      (_part(s), 2 if s == 1 else s, k) for s in range(6) for k in range(6) if k not in holders[s]
-  }
-  assert set(moves.pairs) == want and not moves.subsets and not moves.spreads and not moves.reads
+  holders = [{s, (s + 1) % 6} - {1} for s in range(6)]  # part s: its owner and the next, but 1
+  assert sorted(moves.spreads) == [(_part(s), 2 if s == 1 else s,
+                                    [k
+                                     for k in range(6)
+                                     if k not in holders[s]], None)
+                                   for s in range(6)]
+  assert not moves.pairs and not moves.subsets and not moves.reads
   assert [files[_part(k)]['size'] for k in range(6)] == [320] * 6  # 2 leaves each
   assert plan['held'] == [640, 0, 640, 640, 640, 640]  # its own part and its replica
   assert peerplan.members(plan['meta_to']) == [1]
   assert sorted(plan['files']) == [_part(k) for k in range(6)]
+
+
+def test_a_part_one_process_lacks_goes_to_it_point_to_point(tmp_path):
+  _, target = _checkpoint(tmp_path, 2, leaves=4)
+  plan = peerplan.build(tmp_path, 1, _lost_host(2), target, 2, False, 1)
+  moves = peerplan.moves_of(plan)
+  assert sorted(moves.pairs) == [(_part(0), 0, 1), (_part(1), 0, 1)] and not moves.spreads
 
 
 def test_the_plan_of_a_data_parallel_restore_grows_with_the_processes_not_their_pairs(tmp_path):
@@ -108,7 +120,7 @@ def test_the_plan_of_a_data_parallel_restore_grows_with_the_processes_not_their_
     size[count] = len(json.dumps(plan))
     moves = peerplan.moves_of(plan)
     # Parts 0 and 1 each have one holder left, the rest two: what was listed pair by pair.
-    assert len(moves.pairs) == 2 * (count - 1) + (count - 2)**2
+    assert sum(len(ks) for *_, ks, _ in moves.spreads) == 2 * (count - 1) + (count - 2)**2
   assert size[64] / size[16] < 6, size
 
 
@@ -120,7 +132,9 @@ def test_the_remote_fills_in_a_part_no_process_holds_read_by_one_that_needs_it(t
   plan = peerplan.build(tmp_path, 1, intact, target, 4, True, 0)
   moves = peerplan.moves_of(plan)
   assert moves.reads == {_part(k): k for k in range(4)}  # each its own, once in the job
-  assert set(moves.pairs) == {(_part(s), s, k) for s in range(4) for k in range(4) if k != s}
+  assert sorted(moves.spreads) == [
+      (_part(s), s, [k for k in range(4) if k != s], None) for s in range(4)
+  ]
   assert peerplan.members(plan['meta_to']) == [1, 2, 3] and plan['held'] == [0] * 4
 
 

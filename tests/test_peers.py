@@ -40,7 +40,8 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   what it needs; then every shard is checked and the sources printed as JSON). `-split`: the
   arrays of `SPLIT` alone; `-slow`: process 1's reads of the remote's parts take 12 s, process
   0's of its own files too, and the restore's group waits 6 s; `-cut`: process 0's shard table is cut short as it sends it; `-eio`: process
-  0's disk fails while it plans; `-r0`: the restore keeps no replicas; `-flip` (save): process
+  0's disk fails while it plans; `-r0`: the restore keeps no replicas; `-dp`: it restores every
+  array whole on every process (data parallel); `-flip` (save): process
   2's replica of step 10 differs from its owner's part. A restore's RESULT counts its rounds of
   point-to-point sends and its subsets spread to several processes at once."""
   specs, slow = SPLIT if '-split' in cmd else SPECS, '-slow' in cmd
@@ -79,6 +80,8 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
         mgr.save(step, state)
     print('saved', flush=True)
     return
+  if '-dp' in cmd:  # restored data parallel: every array whole on every process's devices
+    shardings = {n: NamedSharding(mesh, P()) for n in shardings}
   target = {
       n: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings[n]) for n, x in want.items()
   }
@@ -353,6 +356,27 @@ def test_a_subset_several_processes_need_goes_to_all_of_them_in_one_collective(
           if k != j)
       for j in range(COUNT)
   ]
+
+
+def test_a_part_every_other_process_lacks_goes_to_all_of_them_in_one_collective(
+    tmp_path, compile_cache, s3_server, saved_10):
+  """A job of fresh machines restored data parallel (every array whole on every process's
+  devices): each process reads its own part from the remote, and both others need all of it.
+  Each part goes to them together, one broadcast per window, compiled once, not in rounds of
+  point-to-point sends (N - 1 rounds, each a collective compiled for its own pairs). Every host
+  then holds every part, byte-identical."""
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  url, whole = _uploaded_and_wiped(tmp_path, s3_server)
+  results = _results(_run(tmp_path, compile_cache, 'restore-dp', url, '10'))
+  assert [r['step'] for r in results] == [10] * COUNT
+  assert [(r['rounds'], r['spreads']) for r in results] == [(0, COUNT)] * COUNT
+  sizes = [(whole / 'state' / f'process_{k}.safetensors').stat().st_size for k in range(COUNT)]
+  assert [r['remote'] for r in results] == sizes
+  assert [r['peers'] for r in results] == [sum(sizes) - sizes[k] for k in range(COUNT)]
+  for j in range(COUNT):
+    for k in range(COUNT):
+      assert (_state(tmp_path, j, 10) / f'process_{k}.safetensors').read_bytes() == \
+          (whole / 'state' / f'process_{k}.safetensors').read_bytes()
 
 
 def test_a_receiver_whose_disk_fills_while_a_subset_spreads_stops_every_process_together(

@@ -8,13 +8,14 @@ but nothing in the plan is listed once per pair of processes: a part's receivers
 process indices (`spans`), and what each process reads of its own disk is one number per
 process. Where every process needs every part (replicated arrays, the data-parallel case) and
 one host comes back empty, the plan is O(N) bytes where lists of receivers made it O(N²): at
-1000 hosts about 70 KB, where it was about 37 MB (`benchmarks/peer_plan.py`).
+1024 hosts 193 KB, where it was 39.8 MB (`benchmarks/peer_plan.py`).
 
 A plan: {'step', 'seal', 'files': {part: {size, crc32}} of the parts that move, 'moves',
 'held': [bytes each process reads of the parts it holds], and the checkpoint's own files:
 'meta' sizes, 'own' entries, 'from' whom, 'meta_to' (spans) whom}. Each move is [part, sender,
 read from the remote first (0 or 1), receivers (spans), groups]; a group is [receivers (spans),
-tensors]: those receivers get those tensors of the part alone (a subset).
+tensors]: those receivers get those tensors of the part alone (a subset), or with tensors None
+the whole part, several receivers at once.
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ def build(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
   senders = {name: [k for k in range(count) if name in intact[k]] for name in whole}
   if not all(senders.values()):
     return None
-  wanted = multihost.needed_shards(
-      shardtable.shard_table(path, m, data_file(m)), named_leaves(target), count)
+  table = shardtable.shard_table(path, m, data_file(m))
+  wanted = multihost.needed_shards(table, named_leaves(target), count)
+  tensors_in = table.tensors_in()
   held = [set(names) for names in intact]
   dtypes = {r['name']: r['dtype'] for r in m['tensors']}
   moves, load = [], [0] * count  # the bytes each process reads from the remote
@@ -87,17 +89,21 @@ def build(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
     # for a part of a larger job: it uploads those), its replica keepers and its reader.
     keep = own if 0 <= own < count else 0
     full = {keep, *(holders_of(keep, count, replicas) if keep == own else ())}
-    # Those that get the same tensors are listed once with them.
-    groups: dict[str, list] = {}
+    # Those that get the same tensors are listed once with them; so are those that get the whole
+    # part, when there are several (tensors None): it goes to them all at once.
+    groups: dict[str, list] = {'null': [[], None]}
     subsets: dict[tuple[str, ...], list | None] = {}  # by the tensors needed: once each
     for k in receivers:
-      if k in full or k == source:
+      if k == source:
         continue
       key = tuple(wanted[k][rel])
-      if key not in subsets:
-        subsets[key] = _subset(wanted[k][rel], dtypes, m['files'][rel]['size'])
-      if tensors := subsets[key]:
-        groups.setdefault(json.dumps(tensors), [[], tensors])[0].append(k)
+      if k not in full and key not in subsets:
+        subsets[key] = None if len(key) == tensors_in.get(rel) else _subset(
+            wanted[k][rel], dtypes, m['files'][rel]['size'])  # all of them: the part
+      tensors = None if k in full else subsets[key]
+      groups.setdefault(json.dumps(tensors), [[], tensors])[0].append(k)
+    if len(groups['null'][0]) < 2:  # one receiver of the whole part: point to point
+      del groups['null']
     moves.append([
         rel, source, 0 if holders else 1,
         spans(k for k in receivers if k != source), [[spans(ks), t] for ks, t in groups.values()]
@@ -118,13 +124,14 @@ class Moves:
   """One process's reading of a plan's moves (every process reads the same)."""
   pairs: list[sends.Pair]  # point to point, in `sends.carry`'s rounds
   subsets: dict[tuple[str, int], sends.Tensors]  # (part, receiver): its tensors alone
-  spreads: list[tuple[str, int, list[int], sends.Tensors]]  # (part, sender, receivers, tensors)
+  # (part, sender, receivers, tensors: None for the whole part)
+  spreads: list[tuple[str, int, list[int], sends.Tensors | None]]
   reads: dict[str, int]  # part: the process that reads it from the remote (its sender)
 
 
 def moves_of(plan: Mapping[str, Any]) -> Moves:
-  """The plan's moves as sends: a subset several receivers get alike goes to all of them at
-  once (`sends.spread`); the rest go point to point."""
+  """The plan's moves as sends: what several receivers get alike (a subset, or the whole part)
+  goes to all of them at once (`sends.spread`); the rest go point to point."""
   out = Moves([], {}, [], {})
   for rel, source, fetch, receivers, groups in plan['moves']:
     if fetch:
@@ -132,7 +139,7 @@ def moves_of(plan: Mapping[str, Any]) -> Moves:
     alike: set[int] = set()
     for runs, tensors in groups:
       ks = members(runs)
-      if len(ks) > 1:
+      if len(ks) > 1 or tensors is None:
         out.spreads.append((rel, source, ks, tensors))
         alike |= set(ks)
       else:

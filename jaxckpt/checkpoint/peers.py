@@ -267,8 +267,8 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   for rel, source, group_of, tensors in moves.spreads:  # every process, whatever failed here
     path = local(lambda rel=rel: layout.safe_member(work, rel)) if me == source or \
         me in group_of else None
-    got, problem = sends.spread((path, tensors) if me == source and path else None, tensors,
-                                path if me in group_of else None)
+    got, problem = sends.spread(path if me == source else None, tensors,
+                                path if me in group_of else None, plan['files'][rel])
     sources['peers'] += got
     problems += [problem] if problem else []
   sources['own'] = plan['held'][me]

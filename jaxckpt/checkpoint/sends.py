@@ -12,10 +12,11 @@ processes) gets those alone: a state file of their own (`subset_header`, then ea
 bytes, read from the sender's copy), written beside where the part would be
 (`<part>.safetensors.subset`) and checked against the CRC-32 the shard table gives each tensor,
 combined with the header's. A restore reads a part's tensors from it where the part is absent.
-A small file goes from one process to all (`broadcast`) with `broadcast_one_to_all`, and so does
-a subset that several processes need alike (`spread`: the step counter of a fully sharded job,
-which every process but its owner needs): one collective per window for all of them, where
-`carry` would take a round per receiver.
+A small file goes from one process to all (`broadcast`) with `broadcast_one_to_all`, and so do
+the bytes of a part that several processes need alike (`spread`: the whole part, in a
+data-parallel job; a subset, such as the step counter of a fully sharded job, which every
+process but its owner needs): one collective per window for all of them, compiled once, where
+`carry` would take a round per receiver, each a collective compiled for its own pairs.
 """
 
 from __future__ import annotations
@@ -321,25 +322,30 @@ def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | No
   return (b''.join(got) if receive else None), problem
 
 
-def spread(source: tuple[Path, Tensors] | None, tensors: Tensors,
-           into: Path | None) -> tuple[int, str | None]:
-  """The same subset of a part from its sender to every process at once, window by window, in
-  one collective each (a broadcast): where many processes need the same few tensors of one part
-  (the step counter of a fully sharded job: every process but its owner), one collective per
-  window instead of a round of `carry` per receiver. `source`: (the sender's copy of the part,
-  the tensors); `into`: the part's path on a receiver, which gets `<part>.subset`, checked
-  against `subset_spec(tensors)`. Every process calls it with the same `tensors`. Returns (the
-  bytes this process received intact, its problem or None)."""
-  spec = subset_spec(tensors)
+def spread(source: Path | None,
+           tensors: Tensors | None,
+           into: Path | None,
+           whole: Mapping[str, Any] | None = None) -> tuple[int, str | None]:
+  """The same bytes of a part from its sender to every process at once, window by window, in one
+  collective each (a broadcast): where several processes need the same bytes of one part (its
+  few replicated tensors in a fully sharded job: every process but its owner; the whole part in
+  a data-parallel one), one collective per window, compiled once, instead of a round of `carry`
+  per receiver, each compiled for its own pairs. `source`: the sender's copy of the part;
+  `tensors`: those of a subset, which a receiver gets as `<part>.subset` checked against
+  `subset_spec(tensors)`, or None for the whole part, which it gets at `into` checked against
+  `whole` (its {size, crc32} in the manifest); `into`: the part's path on a receiver. Every
+  process calls it with the same `tensors` and `whole`. Returns (the bytes this process
+  received intact, its problem or None)."""
+  spec = subset_spec(tensors) if tensors is not None else whole
   fd, problems = None, []
   try:
-    fd = os.open(source[0], os.O_RDONLY) if source is not None else None
-    segments = _segments(source[0], fd, tensors, spec['size']) if fd is not None else []
+    fd = os.open(source, os.O_RDONLY) if source is not None else None
+    segments = _segments(source, fd, tensors, spec['size']) if fd is not None else []
   except OSError as e:
     problems.append(f'{e.filename}: {e.strerror or e}')
   except CheckpointError as e:
     problems.append(e.line())
-  target = None if into is None else into.with_name(into.name + layout.SUBSET)
+  target = into if into is None or tensors is None else into.with_name(into.name + layout.SUBSET)
   tmp = None if target is None else target.with_name(target.name + layout.PEER_TMP)
   crc, fout = 0, None
   try:
@@ -357,7 +363,7 @@ def spread(source: tuple[Path, Tensors] | None, tensors: Tensors,
       except OSError as e:
         problems.append(f'{tmp}: {e.strerror or e}')
 
-  sent = _broadcast(spec['size'], (lambda view, lo: _fill(fd, source[0], segments, view, lo))
+  sent = _broadcast(spec['size'], (lambda view, lo: _fill(fd, source, segments, view, lo))
                     if fd is not None and not problems else None, source is not None, keep)
   problems += [sent] if sent and source is not None else []
   try:  # after the collectives: what fails here is said, never raised
@@ -374,12 +380,13 @@ def spread(source: tuple[Path, Tensors] | None, tensors: Tensors,
       return 0, problems[0] if problems else None
     if f'{crc:08x}' != spec['crc32']:
       tmp.unlink(missing_ok=True)
-      return 0, (f'{target}: what was received does not match the shard table (crc32 '
-                 f'{crc:08x}, expected {spec["crc32"]})')
+      return 0, (f'{target}: what was received does not match the '
+                 f'{"shard table" if tensors else "manifest"} (crc32 {crc:08x}, expected '
+                 f'{spec["crc32"]})')
     os.replace(tmp, target)
   except OSError as e:
     return 0, problems[0] if problems else f'{e.filename or tmp}: {e.strerror or e}'
-  return spec['size'], _subset_in(into)
+  return spec['size'], _subset_in(into) if tensors is not None else None
 
 
 def _subset_in(path: Path) -> str | None:

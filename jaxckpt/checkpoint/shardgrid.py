@@ -241,6 +241,12 @@ class Table(abc.Mapping):
   def __contains__(self, array: object) -> bool:  # not Mapping's: that builds every row
     return array in self.grid
 
+  def tensors_in(self) -> dict[str, int]:
+    """{state file: how many tensors (shards) it holds}, from the cells alone."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+    counts = np.bincount(self.cells['process'], minlength=len(self.files))
+    return {f: int(n) for f, n in zip(self.files, counts)}
+
   def __getitem__(self, array: str) -> list[dict]:
     if array not in self.grid:
       raise KeyError(array)

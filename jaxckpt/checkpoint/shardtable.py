@@ -28,6 +28,7 @@ upgrade jaxckpt).
 
 from __future__ import annotations
 
+import collections
 import heapq
 import json
 import math
@@ -152,6 +153,10 @@ class Rows(abc.Mapping):
 
   def __getitem__(self, array: str) -> list[dict]:
     return self.rows[array]
+
+  def tensors_in(self) -> dict[str, int]:
+    """{state file: how many tensors (shards) it holds}."""
+    return dict(collections.Counter(s['file'] for rows in self.rows.values() for s in rows))
 
   def __iter__(self) -> Iterator[str]:
     return iter(self.rows)
