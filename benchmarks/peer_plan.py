@@ -18,8 +18,9 @@ devices hold which box). Layouts:
 Scenarios: `lost`, host 1's disk wiped, one replica each (a process holds its own part and the
 one before it on the ring); `fresh`, every disk wiped but process 0's own files, the remote
 holding the checkpoint. Columns: the plan's bytes, what the coordinator serves (the plan to
-every process), process 0's time to build it, one process's time to read it and make the
-rounds, and the sends. Prints a table, writes benchmarks/results/peer_plan.json.
+every other process), process 0's time to build it, one process's time to read it and make
+the rounds, and the sends: point to point (in rounds), and to several processes at once, whole
+parts and subsets. Prints a table, writes benchmarks/results/peer_plan.json.
 """
 
 import argparse
@@ -38,7 +39,7 @@ TREES = {'data': '70b', 'fsdp': '120m'}
 OWN = [layout.MANIFEST, shardtable.SHARDS, layout.RUN_STATE]
 COLUMNS = [
     'layout', 'scenario', 'processes', 'plan_kb', 'coordinator_mb', 'build_s', 'read_s', 'pairs',
-    'rounds', 'spreads'
+    'rounds', 'spread_parts', 'spread_subsets'
 ]
 
 
@@ -107,7 +108,10 @@ def holdings(scenario: str, processes: int) -> list[list[str]]:
   part = lambda k: f'{layout.STATE_DIR}/{statefile.file_name(k)}'
   if scenario == 'fresh':
     return [list(OWN)] + [[] for _ in range(processes - 1)]
-  intact = [[part(k), part((k - 1) % processes)] + OWN for k in range(processes)]
+  # Each host holds the manifest and the run state; process 0's alone the shard table.
+  intact = [[part(k), part((k - 1) % processes), layout.MANIFEST, layout.RUN_STATE]
+            for k in range(processes)]
+  intact[0].append(shardtable.SHARDS)
   intact[1] = []
   return intact
 
@@ -126,8 +130,10 @@ def measure(kind: str, scenario: str, processes: int, root: Path) -> dict:
   read_s = time.perf_counter() - t0
   return {
       'layout': kind, 'scenario': scenario, 'processes': processes, 'plan_kb': len(word) / 1e3,
-      'coordinator_mb': len(word) * processes / 1e6, 'build_s': build_s, 'read_s': read_s,
-      'pairs': len(moves.pairs), 'rounds': len(rounds), 'spreads': len(moves.spreads)
+      'coordinator_mb': len(word) * (processes - 1) / 1e6, 'build_s': build_s, 'read_s': read_s,
+      'pairs': len(moves.pairs), 'rounds': len(rounds),
+      'spread_parts': sum(t is None for *_, t in moves.spreads),
+      'spread_subsets': sum(t is not None for *_, t in moves.spreads)
   }
 
 

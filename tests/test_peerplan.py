@@ -3,7 +3,7 @@ coordinator: what it says, and that it grows with the processes, not with their 
 
 No job of 64 processes runs here: the checkpoints are synthetic (a manifest and a shard table
 on disk, each process's part sparse), and so are the targets' shardings (which process's devices
-hold which box), as `benchmarks/peer_plan.py` builds them for 1000 hosts."""
+hold which box), as `benchmarks/peer_plan.py` builds them for 1024 hosts."""
 
 import json
 import random
@@ -85,7 +85,7 @@ def _lost_host(count: int) -> list[list[str]]:
 def test_a_part_several_processes_lack_goes_to_all_of_them_at_once_from_its_owner(tmp_path):
   """Data parallel, host 1 lost: every process needs every part, and holds two. Each part goes
   from its owner (process 1's from its replica on process 2) to all that lack it together, in
-  one collective per window (`sends.spread`), not one round per receiver; each process reads
+  one collective per window (`spreads.spread`), not one round per receiver; each process reads
   the two it holds from its own disk."""
   files, target = _checkpoint(tmp_path, 6, leaves=12)
   plan = peerplan.build(tmp_path, 1, _lost_host(6), target, 6, False, 1)

@@ -9,6 +9,7 @@ byte; a replica is checked against its owner's file, byte for byte.
 """
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -90,7 +91,7 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
     from jaxckpt.checkpoint.remote import Store, partial
     newest = None if rest[1] == 'none' else int(rest[1])
     remote = partial.peer_source(Store(rest[0]), newest, inspect=process == 0)
-  from jaxckpt.checkpoint import CheckpointError, peerplan, sends
+  from jaxckpt.checkpoint import CheckpointError, peerplan, sends, spreads
   sends.WINDOW = 256  # each part in several windows, the last one short: a real part's path
   timeout = 60
   if slow:  # a remote far slower than the group's timeout, for a part only its reader needs
@@ -104,14 +105,14 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
       remote.meta = lambda *a: (time.sleep(12), meta(*a))[1]
     multihost.Group(60).sync('ready', 'every process ready')  # none late from start-up
   if '-cut' in cmd and process == 0:  # its disk fails while it sends the shard table
-    send = sends.broadcast
+    send = spreads.broadcast
 
     def broadcast(source, size, receive):
       if source is not None and source.name == 'shards.json':
         source.write_bytes(source.read_bytes()[:size // 2])
       return send(source, size, receive)
 
-    sends.broadcast = broadcast
+    spreads.broadcast = broadcast
   if '-eio' in cmd and process == 0:  # its disk fails while it plans the restore
 
     def plan(*_):
@@ -129,13 +130,14 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
 
       sends.os = type('os', (), {'__getattr__': lambda _, n: getattr(os, n), 'pwrite': full})()
   collectives = {'rounds': 0, 'spreads': 0}  # how the parts moved: counted, then done as ever
-  for name, real in (('rounds', sends._round), ('spreads', sends.spread)):
+  for name, real in (('rounds', sends._round), ('spreads', spreads.spread)):
 
     def counted(*a, name=name, real=real):
       collectives[name] += 1
       return real(*a)
 
-    setattr(sends, '_round' if name == 'rounds' else 'spread', counted)
+    setattr(sends if name == 'rounds' else spreads, '_round' if name == 'rounds' else 'spread',
+            counted)
   try:
     got = peers.restore_dir(
         directory, target, multihost.Group(timeout), remote, replicas=0 if '-r0' in cmd else 1)
@@ -379,16 +381,20 @@ def test_a_part_every_other_process_lacks_goes_to_all_of_them_in_one_collective(
           (whole / 'state' / f'process_{k}.safetensors').read_bytes()
 
 
-def test_a_receiver_whose_disk_fills_while_a_subset_spreads_stops_every_process_together(
-    tmp_path, compile_cache, s3_server, saved_10):
+@pytest.mark.parametrize('cmd', ['restore-r0-enospc', 'restore-dp-enospc'],
+                         ids=['a subset', 'whole parts'])
+def test_a_receiver_whose_disk_fills_while_a_part_spreads_stops_every_process_together(
+    tmp_path, compile_cache, s3_server, saved_10, cmd):
   """A failed write of one window does not take that process out of the later windows'
   collectives (the others would wait there for ever): it takes part to the end, and every
-  process then stops with E-CKPT-016 naming it."""
+  process then stops with E-CKPT-016 naming it. Where it was to send a part after that, its
+  receivers' checks of what came (zeros) fail too: the error names its disk as the cause."""
   shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   url, _ = _uploaded_and_wiped(tmp_path, s3_server)
-  for text in _run(tmp_path, compile_cache, 'restore-r0-enospc', url, '10', code=3):
-    assert 'E-CKPT-016: the restore of step 10 from the peers failed on process(es) [2]' in text
-    assert 'No space left on device' in text, text[-2000:]
+  for text in _run(tmp_path, compile_cache, cmd, url, '10', code=3):
+    said = re.search(r'E-CKPT-016: the restore of step 10 from the peers failed on '
+                     r'process\(es\) \[([0-9, ]+)\]: (\S+): No space left on device', text)
+    assert said and '2' in said[1].split(', ') and '/host2/' in said[2], text[-2000:]
   assert not list((tmp_path / 'host2').rglob('*.peer-tmp'))  # nothing half-received left
 
 

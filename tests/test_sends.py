@@ -27,10 +27,10 @@ def stream(path, tensors, size) -> bytes:
   """The bytes the sender sends, a window of 100 at a time (windows that cut segments)."""
   fd = os.open(path, os.O_RDONLY)
   try:
-    segments = sends._segments(path, fd, tensors, size)
+    segments = sends.segments_of(path, fd, tensors, size)
     out = bytearray(size)
     for lo in range(0, size, 100):
-      sends._fill(fd, path, segments, memoryview(out)[lo:lo + 100], lo)
+      sends.fill_window(fd, path, segments, memoryview(out)[lo:lo + 100], lo)
     return bytes(out)
   finally:
     os.close(fd)
@@ -54,7 +54,7 @@ def test_a_sender_whose_copy_is_not_as_the_shard_table_says_is_named(part):
   fd = os.open(path, os.O_RDONLY)
   try:
     with pytest.raises(CheckpointError) as e:
-      sends._segments(path, fd, [['a', 'F32', [8, 5], crcs['a']]], 0)
+      sends.segments_of(path, fd, [['a', 'F32', [8, 5], crcs['a']]], 0)
     assert e.value.code == 'E-CKPT-012' and 'a is not F32[8, 5]' in e.value.what
   finally:
     os.close(fd)
@@ -93,3 +93,32 @@ def test_rounds_of_any_pairs_are_valid_and_the_same_on_every_process():
     got = sends.rounds(pairs)
     _valid(pairs, got)
     assert got == sends.rounds(list(pairs))  # what every process computes from the same list
+
+
+def test_a_received_file_goes_in_only_whole_and_as_its_manifest_says(tmp_path):
+  """What a receiver writes window by window is renamed in only when its size and CRC-32 are
+  what they should be; otherwise nothing is left under its name or beside it."""
+  data = np.frombuffer(os.urandom(1000), np.uint8)
+  crc = f'{zlib.crc32(data.tobytes()):08x}'
+  path = tmp_path / 'process_1.safetensors'
+  problems = []
+  landing = sends.Landing(path, 1000, problems)
+  for lo in range(0, 1000, 256):  # windows of 256; the last one's tail past the file dropped
+    window = np.zeros(256, np.uint8)
+    window[:min(256, 1000 - lo)] = data[lo:lo + 256]
+    landing.write(lo, window)
+  assert landing.finish(crc, 'its manifest') is None and not problems
+  assert path.read_bytes() == data.tobytes() and os.listdir(tmp_path) == [path.name]
+
+  other = tmp_path / 'process_2.safetensors'
+  landing = sends.Landing(other, 1000, problems)
+  landing.write(0, data[:600])  # cut short
+  problem = landing.finish(crc, 'its manifest')
+  assert problem.startswith(f'{other}: what was received does not match its manifest')
+  assert os.listdir(tmp_path) == [path.name]  # neither it nor its temporary name
+
+  problems.append('OSError: the sender could not read')  # a problem met during the windows
+  landing = sends.Landing(other, 1000, problems)
+  landing.write(0, data)
+  assert landing.finish(crc, 'its manifest') == 'OSError: the sender could not read'
+  assert os.listdir(tmp_path) == [path.name]

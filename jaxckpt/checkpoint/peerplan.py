@@ -131,7 +131,7 @@ class Moves:
 
 def moves_of(plan: Mapping[str, Any]) -> Moves:
   """The plan's moves as sends: what several receivers get alike (a subset, or the whole part)
-  goes to all of them at once (`sends.spread`); the rest go point to point."""
+  goes to all of them at once (`spreads.spread`); the rest go point to point."""
   out = Moves([], {}, [], {})
   for rel, source, fetch, receivers, groups in plan['moves']:
     if fetch:

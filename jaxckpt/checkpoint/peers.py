@@ -19,15 +19,16 @@ still hold the bytes between them:
    there; one that no living process holds is read from the remote by one process that needs it
    (of those, the one that has read least so far), then sent on: each byte of the remote once in
    the job, about 1/N of it per process when every process needs every part (replicated arrays).
-4. The parts move point to point, in rounds of sends that run at once, each a JAX collective
-   permute in windows (`sends`: NCCL, ICI, gloo on CPU), never a transport of this package's
-   own; disk reads and writes overlap the collective. Each part received is CRC-checked against
-   the manifest, fsynced and renamed into the step directory; the small files go by
-   `sends.broadcast` (`multihost_utils.broadcast_one_to_all`), and a
-   process that held nothing of the checkpoint gets its manifest last (the commit marker). A
-   process that needs less than half of a part gets those tensors alone (a subset); where
-   several get the same subset of a part (a fully sharded job's step counter: all but its
-   owner), it goes to all of them at once (`sends.spread`), and the plan lists those tensors once.
+4. The parts move over the job's interconnect with JAX collectives (NCCL, ICI, gloo on CPU),
+   never a transport of this package's own, in windows, disk reads and writes overlapping the
+   collective. A part that one process lacks goes point to point, in rounds of sends that run
+   at once, each a collective permute (`sends`). What several processes lack alike goes to all
+   of them at once, one `broadcast_one_to_all` per window (`spreads`): a part they need whole
+   (a data-parallel job: every process needs every part), or, where each needs less than half
+   of it, those tensors alone (a subset: a fully sharded job's replicated leaves), listed once
+   in the plan. Each part received is CRC-checked against the manifest, fsynced and renamed
+   into the step directory; the small files go by `spreads.broadcast`, and a process that held
+   nothing of the checkpoint gets its manifest last (the commit marker).
 
 Each process then restores from its own step directory as from any other, reading only the byte
 ranges its devices need. The `Group` waits are bounded by its timeout, and every process waits
@@ -47,7 +48,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import atomic, checksum, holdings, layout, manifest, multihost, peerplan, sends
+from . import atomic, checksum, holdings, layout, manifest, multihost, peerplan, sends, spreads
 from .holdings import META, held, tidy
 from .errors import CheckpointError
 
@@ -241,8 +242,8 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   if meta_to:
     gate('meta', f"step {step}'s own files, sent to the processes without them")
   for name in plan['meta'] if meta_to else ():  # the manifest last
-    got, problem = sends.broadcast(final / name if me == plan['from'].get(name, 0) else None,
-                                   plan['meta'][name], me in meta_to)
+    got, problem = spreads.broadcast(final / name if me == plan['from'].get(name, 0) else None,
+                                     plan['meta'][name], me in meta_to)
     problems += [problem] if problem else []
     if name == layout.MANIFEST:
       raw = got or b''
@@ -267,8 +268,8 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   for rel, source, group_of, tensors in moves.spreads:  # every process, whatever failed here
     path = local(lambda rel=rel: layout.safe_member(work, rel)) if me == source or \
         me in group_of else None
-    got, problem = sends.spread(path if me == source else None, tensors,
-                                path if me in group_of else None, plan['files'][rel])
+    got, problem = spreads.spread(path if me == source else None, tensors,
+                                  path if me in group_of else None, plan['files'][rel])
     sources['peers'] += got
     problems += [problem] if problem else []
   sources['own'] = plan['held'][me]
@@ -282,13 +283,15 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
       problems[0] if problems else '',
       fix=AGAIN)
   failed = [(k, p) for k, p in enumerate(said) if p]
+  # A sender's own problem says why; its receivers' failed checks follow from it.
+  cause = next((p for _, p in failed if sends.MISMATCH not in p), failed[0][1] if failed else '')
   if failed:
     if not have:
       import shutil  # pylint: disable=import-outside-toplevel
       shutil.rmtree(work, ignore_errors=True)
     raise CheckpointError(
         'E-CKPT-016', f'the restore of step {step} from the peers failed on process(es) '
-        f'{[k for k, _ in failed]}: {failed[0][1]}', 'fix that host (its disk, its access to '
+        f'{[k for k, _ in failed]}: {cause}', 'fix that host (its disk, its access to '
         'the remote) and restart the job: each part is checked again')
   return Restored(final, step, sources)
 

@@ -12,17 +12,15 @@ processes) gets those alone: a state file of their own (`subset_header`, then ea
 bytes, read from the sender's copy), written beside where the part would be
 (`<part>.safetensors.subset`) and checked against the CRC-32 the shard table gives each tensor,
 combined with the header's. A restore reads a part's tensors from it where the part is absent.
-A small file goes from one process to all (`broadcast`) with `broadcast_one_to_all`, and so do
-the bytes of a part that several processes need alike (`spread`: the whole part, in a
-data-parallel job; a subset, such as the step counter of a fully sharded job, which every
-process but its owner needs): one collective per window for all of them, compiled once, where
-`carry` would take a round per receiver, each a collective compiled for its own pairs.
+What several processes need alike goes to them all at once (`spreads`), with the same reading
+(`segments_of`, `fill_window`) and landing (`Landing`) as here.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import errno
 import functools
 import json
 import math
@@ -44,6 +42,7 @@ from .errors import CheckpointError
 # back from the heap instead of each being a fresh mapping whose every page faults in.
 WINDOW = 8 << 20
 SMALL = 64 << 10  # the window of small files (a manifest, the run state)
+MISMATCH = 'what was received does not match'  # a receiver's check, failed: its sender's doing?
 Pair = tuple[str, int, int]  # (file, the process that sends it, the process that receives it)
 Tensors = list  # a subset: [[tensor, safetensors dtype code, shape, crc32], ...]
 
@@ -111,7 +110,7 @@ def carry(pairs: list[Pair],
                 (into[0], me) in subsets else path, specs[into[0], me])
     failed = _round(perm, size, source, target, bufs)
     if target and not failed and target[0] != path:  # a subset
-      failed = _subset_in(path)
+      failed = subset_in(path)
     problem = problem or failed
     received += target[1]['size'] if target and not failed else 0
   return received, problem
@@ -146,7 +145,7 @@ def subset_spec(tensors: Tensors) -> dict[str, Any]:
   return {'size': size, 'crc32': f'{crc:08x}'}
 
 
-def _segments(path: Path, fd: int, tensors: Tensors | None, size: int) -> list:
+def segments_of(path: Path, fd: int, tensors: Tensors | None, size: int) -> list:
   """What the sender sends of `path`, as segments: bytes, or (offset, length) in the file: the
   whole file, or `tensors`' header and then each tensor's bytes (as its copy's header places
   them, checked against the shard table's dtype and shape)."""
@@ -164,7 +163,7 @@ def _segments(path: Path, fd: int, tensors: Tensors | None, size: int) -> list:
   return segments
 
 
-def _fill(fd: int, path: Path, segments: list, view: memoryview, lo: int) -> None:
+def fill_window(fd: int, path: Path, segments: list, view: memoryview, lo: int) -> None:
   """`view` from the bytes `segments` make, from offset `lo` of them on."""
   at = 0  # where the segment starts in the stream
   for seg in segments:
@@ -221,24 +220,17 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
   early."""
   count = -(-size // WINDOW)
   zeros = np.zeros(WINDOW, np.uint8)
-  tmp = None if into is None else into[0].with_name(into[0].name + layout.PEER_TMP)
-  crc, wrote, problems = [0], [0], []
-  fin = fout = None
+  problems: list[str] = []
+  fin = None
   segments: list = []
 
   def read(i: int) -> np.ndarray:
     buf, want = bufs[i % 2], max(0, min(WINDOW, source[2] - i * WINDOW))
     if not want:  # past what this sends, the round's larger file still moving
       return zeros
-    _fill(fin, source[0], segments, memoryview(buf)[:want], i * WINDOW)
+    fill_window(fin, source[0], segments, memoryview(buf)[:want], i * WINDOW)
     buf[want:] = 0  # the last window's tail: zeros, not the window before's bytes
     return buf
-
-  def write(i: int, data: np.ndarray) -> None:
-    n = max(0, min(WINDOW, into[1]['size'] - i * WINDOW))
-    view = memoryview(data)[:n]
-    os.pwrite(fout, view, i * WINDOW)
-    crc[0], wrote[0] = crc32(view, crc[0]), wrote[0] + n
 
   def said(f) -> Any:  # a task's result, or None with its error kept
     try:
@@ -249,12 +241,12 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
 
   try:
     fin = os.open(source[0], os.O_RDONLY) if source is not None else None
-    segments = _segments(source[0], fin, source[1], source[2]) if source is not None else []
-    fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if tmp else None
+    segments = segments_of(source[0], fin, source[1], source[2]) if source is not None else []
   except OSError as e:
     problems.append(f'{e.filename}: {e.strerror or e}')
   except CheckpointError as e:
     problems.append(e.line())
+  landing = Landing(into[0] if into else None, into[1]['size'] if into else 0, problems)
   with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-send') as reader, \
       concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-receive') as writer:
     sending = fin is not None and not problems
@@ -265,131 +257,78 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
       buf = zeros if buf is None or problems else buf
       ahead = reader.submit(read, i + 1) if sending and not problems and i + 1 < count else None
       got = _move(perm, buf)  # every window, whatever failed here: the others wait for it
-      if fout is not None and not problems:
-        writes.append(writer.submit(write, i, got))
+      if landing.open and not problems:
+        writes.append(writer.submit(landing.write, i * WINDOW, got))
         while len(writes) > 2:
           said(writes.popleft())
     for w in writes:
       said(w)
   try:
-    if fout is not None:
-      if not problems:
-        os.fsync(fout)
-      os.close(fout)
     if fin is not None:
       os.close(fin)
   except OSError as e:
     problems.append(f'{e.filename}: {e.strerror or e}')
-  if into is None or problems:
-    if tmp is not None:
-      tmp.unlink(missing_ok=True)
-    return problems[0] if problems else None
-  path, want = into
-  if f'{crc[0]:08x}' != want['crc32'] or wrote[0] != want['size']:
-    tmp.unlink(missing_ok=True)
-    return (f'{path}: what was received does not match its manifest (crc32 {crc[0]:08x}, '
-            f'manifest says {want["crc32"]})')
-  os.replace(tmp, path)
-  return None
+  return landing.finish(into[1]['crc32'] if into else '', 'its manifest')
 
 
-def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | None, str | None]:
-  """A small file from the process that reads it from `source` to every process (a JAX
-  collective, in windows): (its bytes for a receiver, else None; this process's problem or
-  None). A source that cannot read sends zeros to the end (the others' CRC checks fail) and says
-  why. Every process calls it with the same `size`."""
-  got, problem = [], None
-  try:
-    fin = open(source, 'rb') if source is not None else None  # pylint: disable=consider-using-with
-  except OSError as e:
-    fin, problem = None, f'{source}: {e.strerror or e}'
+class Landing:
+  """A file received window by window (`write(offset, bytes)`, the writes in order): under a
+  temporary name beside `path` (None: this process receives nothing), its CRC-32 computed as it
+  comes; `finish` fsyncs it and renames it in only when it is `size` bytes of the CRC-32 it
+  should have and no problem was met, else removes it. Problems go to `problems`, shared with
+  the caller: a receiver that fails goes on taking part in every window."""
 
-  def fill(view: memoryview, _: int) -> None:
+  def __init__(self, path: Path | None, size: int, problems: list[str]):
+    self.path, self.size, self.problems = path, size, problems
+    self.tmp = None if path is None else path.with_name(path.name + layout.PEER_TMP)
+    self.crc = self.wrote = 0
+    self.fd = None
     try:
-      n = fin.readinto(view)
+      self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT
+                        | os.O_TRUNC, 0o644) if self.tmp else None
     except OSError as e:
-      raise OSError(f'{source}: {e.strerror or e}') from e
-    if n != len(view):
-      raise OSError(f'{source} ends early')
+      problems.append(f'{e.filename}: {e.strerror or e}')
 
-  try:
-    sent = _broadcast(size, fill if fin is not None else None, source is not None,
-                      lambda _, data: got.append(data.tobytes()))
-    problem = problem or sent
-  finally:
-    if fin is not None:
-      fin.close()
-  return (b''.join(got) if receive else None), problem
+  @property
+  def open(self) -> bool:
+    return self.fd is not None
 
+  def write(self, offset: int, data: np.ndarray) -> None:
+    view = memoryview(data)[:max(0, min(len(data), self.size - offset))]
+    done = 0
+    while done < len(view):  # a write cut short (a disk nearly full) goes on, or raises
+      n = os.pwrite(self.fd, view[done:], offset + done)
+      if n <= 0:
+        raise OSError(errno.ENOSPC, f'{self.tmp}: a write at {offset + done} wrote nothing')
+      done += n
+    self.crc, self.wrote = crc32(view, self.crc), self.wrote + done
 
-def spread(source: Path | None,
-           tensors: Tensors | None,
-           into: Path | None,
-           whole: Mapping[str, Any] | None = None) -> tuple[int, str | None]:
-  """The same bytes of a part from its sender to every process at once, window by window, in one
-  collective each (a broadcast): where several processes need the same bytes of one part (its
-  few replicated tensors in a fully sharded job: every process but its owner; the whole part in
-  a data-parallel one), one collective per window, compiled once, instead of a round of `carry`
-  per receiver, each compiled for its own pairs. `source`: the sender's copy of the part;
-  `tensors`: those of a subset, which a receiver gets as `<part>.subset` checked against
-  `subset_spec(tensors)`, or None for the whole part, which it gets at `into` checked against
-  `whole` (its {size, crc32} in the manifest); `into`: the part's path on a receiver. Every
-  process calls it with the same `tensors` and `whole`. Returns (the bytes this process
-  received intact, its problem or None)."""
-  spec = subset_spec(tensors) if tensors is not None else whole
-  fd, problems = None, []
-  try:
-    fd = os.open(source, os.O_RDONLY) if source is not None else None
-    segments = _segments(source, fd, tensors, spec['size']) if fd is not None else []
-  except OSError as e:
-    problems.append(f'{e.filename}: {e.strerror or e}')
-  except CheckpointError as e:
-    problems.append(e.line())
-  target = into if into is None or tensors is None else into.with_name(into.name + layout.SUBSET)
-  tmp = None if target is None else target.with_name(target.name + layout.PEER_TMP)
-  crc, fout = 0, None
-  try:
-    fout = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if tmp else None
-  except OSError as e:
-    problems.append(f'{e.filename}: {e.strerror or e}')
-
-  def keep(lo: int, data: np.ndarray) -> None:
-    # A write that fails is kept as this process's problem: it goes on taking every window.
-    nonlocal crc
-    if fout is not None and not problems:
-      try:
-        os.pwrite(fout, data, lo)
-        crc = crc32(data, crc)
-      except OSError as e:
-        problems.append(f'{tmp}: {e.strerror or e}')
-
-  sent = _broadcast(spec['size'], (lambda view, lo: _fill(fd, source, segments, view, lo))
-                    if fd is not None and not problems else None, source is not None, keep)
-  problems += [sent] if sent and source is not None else []
-  try:  # after the collectives: what fails here is said, never raised
+  def finish(self, crc: str, against: str) -> str | None:
+    """After the collectives: the problem (the first one met), or None with the file in."""
     try:
-      if fout is not None and not problems:
-        os.fsync(fout)
-    finally:
-      for f in (fd, fout):
-        if f is not None:
-          os.close(f)
-    if target is None or problems:
-      if tmp is not None:
-        tmp.unlink(missing_ok=True)
-      return 0, problems[0] if problems else None
-    if f'{crc:08x}' != spec['crc32']:
-      tmp.unlink(missing_ok=True)
-      return 0, (f'{target}: what was received does not match the '
-                 f'{"shard table" if tensors else "manifest"} (crc32 {crc:08x}, expected '
-                 f'{spec["crc32"]})')
-    os.replace(tmp, target)
-  except OSError as e:
-    return 0, problems[0] if problems else f'{e.filename or tmp}: {e.strerror or e}'
-  return spec['size'], _subset_in(into) if tensors is not None else None
+      try:
+        if self.fd is not None and not self.problems:
+          os.fsync(self.fd)
+      finally:
+        if self.fd is not None:
+          os.close(self.fd)
+      if self.path is None or self.problems:
+        if self.tmp is not None:
+          self.tmp.unlink(missing_ok=True)
+        return self.problems[0] if self.problems else None
+      if f'{self.crc:08x}' != crc or self.wrote != self.size:
+        self.tmp.unlink(missing_ok=True)
+        return (f'{self.path}: {MISMATCH} {against} (crc32 '
+                f'{self.crc:08x}, {against} says {crc})')
+      os.replace(self.tmp, self.path)
+      return None
+    except OSError as e:
+      if self.tmp is not None:
+        self.tmp.unlink(missing_ok=True)  # a failed fsync or rename leaves nothing half in
+      return self.problems[0] if self.problems else f'{e.filename or self.tmp}: {e.strerror or e}'
 
 
-def _subset_in(path: Path) -> str | None:
+def subset_in(path: Path) -> str | None:
   """A subset of the part at `path` is in: a copy of the part beside it is not intact (else it
   would have been read), and goes. The problem, when it cannot."""
   try:
@@ -399,31 +338,7 @@ def _subset_in(path: Path) -> str | None:
     return f'{path}: not intact, and cannot be removed: {e.strerror or e}'
 
 
-def _broadcast(size: int, fill: Callable[[memoryview, int], None] | None, is_source: bool,
-               keep: Callable[[int, np.ndarray], None]) -> str | None:
-  """`size` bytes from the process where `is_source` to every process, a window at a time
-  (`multihost_utils.broadcast_one_to_all`): the source's `fill(view, offset)` makes each window;
-  every process's `keep(offset, bytes)` takes it. A `fill` that fails (or none, on the source)
-  sends zeros to the end: every process takes part in every window. The source's problem, or
-  None."""
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  window = SMALL if size <= SMALL else WINDOW
-  problem = None if fill is not None or not is_source else 'nothing to send'
-  buf = np.zeros(window, np.uint8)
-  for lo in range(0, size, window):
-    n = min(window, size - lo)
-    buf[:] = 0
-    try:  # a read that fails sends zeros: the receivers' checks fail, none left waiting
-      if fill is not None and problem is None:
-        fill(memoryview(buf)[:n], lo)
-    except (OSError, CheckpointError) as e:
-      problem, buf[:] = (e.line() if isinstance(e, CheckpointError) else str(e)), 0
-    out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source))
-    keep(lo, out[:n])
-  return problem
-
-
 __all__ = [
-    'SMALL', 'WINDOW', 'broadcast', 'carry', 'rounds', 'spread', 'subset_header', 'subset_spec',
-    'tensor_bytes'
+    'MISMATCH', 'SMALL', 'WINDOW', 'Landing', 'carry', 'fill_window', 'rounds', 'segments_of',
+    'subset_header', 'subset_in', 'subset_spec', 'tensor_bytes'
 ]

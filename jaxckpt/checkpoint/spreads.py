@@ -1,0 +1,150 @@
+"""Bytes of one process's file sent to every process at once, over the job's interconnect.
+
+A small file (a checkpoint's manifest, its run state, its shard table) goes from the process
+that holds it to all (`broadcast`); so do the bytes of a part that several processes need alike
+(`spread`): the whole part in a data-parallel job, where every process needs every part, or the
+few replicated tensors of a fully sharded one (a subset, `sends.subset_spec`). Each window is
+one `multihost_utils.broadcast_one_to_all` (a sum over the processes, compiled once for its
+shape), where point-to-point rounds (`sends.carry`) would take a round per receiver, each a
+collective compiled for its own pairs. The sender reads the next window while one is in the
+collective, and the receivers write each behind it (`sends.Landing`: checked, fsynced, renamed
+in).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from . import layout, sends
+from .errors import CheckpointError
+
+
+def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | None, str | None]:
+  """A small file from the process that reads it from `source` to every process (a JAX
+  collective, in windows): (its bytes for a receiver, else None; this process's problem or
+  None). A source that cannot read sends zeros to the end (the others' CRC checks fail) and says
+  why. Every process calls it with the same `size`."""
+  got, problem = [], None
+  try:
+    fin = open(source, 'rb') if source is not None else None  # pylint: disable=consider-using-with
+  except OSError as e:
+    fin, problem = None, f'{source}: {e.strerror or e}'
+
+  def fill(view: memoryview, _: int) -> None:
+    try:
+      n = fin.readinto(view)
+    except OSError as e:
+      raise OSError(f'{source}: {e.strerror or e}') from e
+    if n != len(view):
+      raise OSError(f'{source} ends early')
+
+  try:
+    sent = _broadcast(size, fill if fin is not None else None, source is not None,
+                      lambda _, data: got.append(data.tobytes()))
+    problem = problem or sent
+  finally:
+    if fin is not None:
+      fin.close()
+  return (b''.join(got) if receive else None), problem
+
+
+def spread(source: Path | None,
+           tensors: sends.Tensors | None,
+           into: Path | None,
+           whole: Mapping[str, Any] | None = None) -> tuple[int, str | None]:
+  """The same bytes of a part from its sender to every process at once, window by window, in one
+  collective each: where several processes need the same bytes of one part (its few replicated
+  tensors in a fully sharded job: every process but its owner; the whole part in a
+  data-parallel one). `source`: the sender's copy of the part; `tensors`: those of a subset,
+  which a receiver gets as `<part>.subset` checked against `sends.subset_spec(tensors)`, or None
+  for the whole part, which it gets at `into` checked against `whole` (its {size, crc32} in the
+  manifest); `into`: the part's path on a receiver. Every process calls it with the same
+  `tensors` and `whole`. Returns (the bytes this process received intact, its problem or
+  None)."""
+  spec = sends.subset_spec(tensors) if tensors is not None else whole
+  fd, problems = None, []
+  try:
+    fd = os.open(source, os.O_RDONLY) if source is not None else None
+    segments = sends.segments_of(source, fd, tensors, spec['size']) if fd is not None else []
+  except OSError as e:
+    problems.append(f'{e.filename}: {e.strerror or e}')
+  except CheckpointError as e:
+    problems.append(e.line())
+  target = into if into is None or tensors is None else into.with_name(into.name + layout.SUBSET)
+  landing = sends.Landing(target, spec['size'], problems)
+
+  def keep(lo: int, data: np.ndarray) -> None:
+    # A write that fails is kept as this process's problem: it goes on taking every window.
+    if landing.open and not problems:
+      try:
+        landing.write(lo, data)
+      except OSError as e:
+        problems.append(f'{landing.tmp}: {e.strerror or e}')
+
+  sent = _broadcast(spec['size'],
+                    (lambda view, lo: sends.fill_window(fd, source, segments, view, lo))
+                    if fd is not None and not problems else None, source is not None, keep)
+  problems += [sent] if sent and source is not None else []
+  try:  # after the collectives: what fails here is said, never raised
+    if fd is not None:
+      os.close(fd)
+  except OSError as e:
+    problems.append(f'{source}: {e.strerror or e}')
+  problem = landing.finish(spec['crc32'], 'the shard table' if tensors else 'the manifest')
+  if target is None or problem:
+    return 0, problem
+  return spec['size'], sends.subset_in(into) if tensors is not None else None
+
+
+def _broadcast(size: int, fill: Callable[[memoryview, int], None] | None, is_source: bool,
+               keep: Callable[[int, np.ndarray], None]) -> str | None:
+  """`size` bytes from the process where `is_source` to every process, a window at a time
+  (`multihost_utils.broadcast_one_to_all`): the source's `fill(view, offset)` makes each window,
+  the next one read while the one before is in the collective; every process's `keep(offset,
+  bytes)` takes each, on a thread of its own while the next ones move (at most two behind). A
+  `fill` that fails (or none, on the source) sends zeros to the end: every process takes part
+  in every window. The source's problem, or None."""
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+  window = sends.SMALL if size <= sends.SMALL else sends.WINDOW
+  problem = None if fill is not None or not is_source else 'nothing to send'
+  zeros = np.zeros(window, np.uint8)
+  bufs = [np.zeros(window, np.uint8) for _ in range(2)] if fill is not None else []
+
+  def read(i: int) -> np.ndarray:
+    lo, buf = i * window, bufs[i % 2]
+    n = min(window, size - lo)
+    fill(memoryview(buf)[:n], lo)
+    buf[n:] = 0  # the last window's tail: zeros, not the window before's bytes
+    return buf
+
+  count = -(-size // window)
+  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-send') as reader, \
+      concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-receive') as writer:
+    ahead = reader.submit(read, 0) if fill is not None and count else None
+    writes = collections.deque()
+    for i in range(count):
+      buf = zeros
+      if ahead is not None:
+        try:  # a read that fails sends zeros: the receivers' checks fail, none left waiting
+          buf = ahead.result()
+        except (OSError, CheckpointError) as e:
+          problem = e.line() if isinstance(e, CheckpointError) else str(e)
+        ahead = reader.submit(read, i + 1) if problem is None and i + 1 < count else None
+      buf = zeros if problem is not None else buf
+      # Returns once the collective is done with `buf`, which the reader then refills.
+      out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source))
+      writes.append(writer.submit(keep, i * window, out[:min(window, size - i * window)]))
+      while len(writes) > 2:
+        writes.popleft().result()
+    for w in writes:
+      w.result()
+  return problem
+
+
+__all__ = ['broadcast', 'spread']
