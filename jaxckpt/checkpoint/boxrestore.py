@@ -24,11 +24,16 @@ from .boxread import Box, box_of, fill
 PLACE_WINDOW = 256 << 20  # bytes of boxes a restore reads before it places them, at most
 
 
-def restore(step_dir: Path, shards: shardtable.Table, want: Mapping[str, Any], *,
-            checksums: bool) -> dict[str, jax.Array]:
+def restore(step_dir: Path,
+            shards: shardtable.Table,
+            want: Mapping[str, Any],
+            *,
+            checksums: bool,
+            held: Held | None = None) -> dict[str, jax.Array]:
   """The arrays `want` ({name: target with shape, dtype, sharding}), each process reading just
-  what its devices hold, a window of arrays at a time (see the module)."""
-  held, out = held_boxes(want), {}
+  what its devices hold, a window of arrays at a time (see the module). `held`: `held_boxes(want)`
+  when the caller has it already."""
+  held, out = held_boxes(want) if held is None else held, {}
   files = boxread.open_files(step_dir)
   try:
     for names in _windows(held):

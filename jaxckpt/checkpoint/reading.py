@@ -180,9 +180,10 @@ def read_arrays(step_dir: Path,
   `want` is `targets`'s answer: every leaf has its sharding."""
   single = data_file(meta)
   if shards is not None:
+    held = boxrestore.held_boxes(want)
     read: Callable[[], dict[str, jax.Array]] = lambda: boxrestore.restore(
-        step_dir, shards, want, checksums=checksums)
-    nbytes = boxrestore.read_bound(shards, boxrestore.held_boxes(want)) if meanwhile else 0
+        step_dir, shards, want, checksums=checksums, held=held)
+    nbytes = boxrestore.read_bound(shards, held) if meanwhile else 0
   elif single:
 
     def place(arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:

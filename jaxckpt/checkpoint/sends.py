@@ -60,18 +60,21 @@ def rounds(pairs: list[Pair]) -> list[list[Pair]]:
   pairs = sorted(pairs, key=lambda p: (p[2] - p[1]) % count)  # stable: then as listed
   sending: dict[int, set[int]] = collections.defaultdict(set)  # process: rounds it sends in
   receiving: dict[int, set[int]] = collections.defaultdict(set)
-  low: dict[tuple[str, int], int] = collections.defaultdict(int)  # below it, all taken
+  # process: the first round it does not send (receive) in; below it, every round is taken
+  low_send: dict[int, int] = collections.defaultdict(int)
+  low_receive: dict[int, int] = collections.defaultdict(int)
   out: list[list[Pair]] = []
   for pair in pairs:
     _, src, dst = pair
-    r = max(low['s', src], low['r', dst])
+    r = max(low_send[src], low_receive[dst])
     while r in sending[src] or r in receiving[dst]:
       r += 1
     sending[src].add(r)
     receiving[dst].add(r)
-    for key, taken in ((('s', src), sending[src]), (('r', dst), receiving[dst])):
-      while low[key] in taken:
-        low[key] += 1
+    while low_send[src] in sending[src]:
+      low_send[src] += 1
+    while low_receive[dst] in receiving[dst]:
+      low_receive[dst] += 1
     out.extend([] for _ in range(r + 1 - len(out)))
     out[r].append(pair)
   return out
