@@ -3,6 +3,7 @@ file of those tensors alone, whose size and CRC-32 every process computes from t
 table's rows without the bytes, read from the sender's copy of the part."""
 
 import os
+import time
 import zlib
 
 import numpy as np
@@ -122,3 +123,41 @@ def test_a_received_file_goes_in_only_whole_and_as_its_manifest_says(tmp_path):
   landing.write(0, data)
   assert landing.finish(crc, 'its manifest') == 'OSError: the sender could not read'
   assert os.listdir(tmp_path) == [path.name]
+
+  short = tmp_path / 'process_3.safetensors'  # all it was sent is intact, but not all came
+  landing = sends.Landing(short, 1000, [])
+  landing.write(0, data[:600])
+  problem = landing.finish(f'{zlib.crc32(data[:600].tobytes()):08x}', 'its manifest')
+  assert problem and '600 bytes' in problem and os.listdir(tmp_path) == [path.name]
+
+
+def test_a_received_file_that_cannot_be_renamed_in_is_said_and_leaves_nothing(tmp_path):
+  data = np.frombuffer(os.urandom(100), np.uint8)
+  path = tmp_path / 'process_1.safetensors'
+  (path / 'in-the-way').mkdir(parents=True)  # a directory where the file goes: rename fails
+  landing = sends.Landing(path, 100, [])
+  landing.write(0, data)
+  problem = landing.finish(f'{zlib.crc32(data.tobytes()):08x}', 'its manifest')
+  assert problem and problem.startswith(f'{path}'), problem
+  assert sorted(os.listdir(tmp_path)) == [path.name] and os.listdir(path) == ['in-the-way']
+
+
+def test_a_broadcast_hands_each_window_on_intact_however_slowly_it_is_written(monkeypatch):
+  """The sender reads the next windows while the ones before are still being written: what each
+  receiver keeps is each window's bytes, in order, even when its disk is slow (one process
+  here, where the collective hands the sender's buffer back itself)."""
+  from jaxckpt.checkpoint import spreads
+  monkeypatch.setattr(sends, 'WINDOW', 4096)
+  data = os.urandom(70_000)  # past SMALL: 18 windows of 4096, the last one short
+  kept = []
+
+  def fill(view, lo):
+    view[:] = data[lo:lo + len(view)]
+
+  def keep(lo, window):
+    time.sleep(0.005)  # a slow disk: the reader runs windows ahead of it
+    kept.append((lo, window.tobytes()))
+
+  assert spreads._broadcast(len(data), fill, True, keep) is None
+  assert [lo for lo, _ in kept] == list(range(0, len(data), 4096))
+  assert b''.join(w for _, w in kept) == data

@@ -278,13 +278,9 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   else:
     local(lambda: atomic.fsync_dir(final / layout.STATE_DIR))
   said = group.sync(
-      f'peers/done/{step}',
-      f'a restore of step {step} from the peers',
-      problems[0] if problems else '',
-      fix=AGAIN)
+      f'peers/done/{step}', f'a restore of step {step} from the peers', _cause(problems), fix=AGAIN)
   failed = [(k, p) for k, p in enumerate(said) if p]
-  # A sender's own problem says why; its receivers' failed checks follow from it.
-  cause = next((p for _, p in failed if sends.MISMATCH not in p), failed[0][1] if failed else '')
+  cause = _cause([p for _, p in failed])
   if failed:
     if not have:
       import shutil  # pylint: disable=import-outside-toplevel
@@ -296,14 +292,21 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   return Restored(final, step, sources)
 
 
+def _cause(problems: list[str]) -> str:
+  """The problem that says why: a sender's own (its disk, the remote) before a receiver's failed
+  check of what it was sent (`sends.MISMATCH`), which follows from it; '' for none."""
+  return next((p for p in problems if sends.MISMATCH not in p), problems[0] if problems else '')
+
+
 def _write_own(path: Path, got: bytes, want: Mapping[str, Any], step: int) -> None:
   """A checkpoint's own file as it was sent, written (atomically) only when its size and
   CRC-32 are the manifest's: a step directory already committed here is never given a bad one."""
   crc = f'{checksum.crc32(got):08x}'
   if (len(got), crc) != (want['size'], want['crc32']):
     raise CheckpointError(
-        'E-CKPT-003', f'{path.name} of step {step} as received: size {len(got)}, '
-        f'crc32 {crc}; its manifest says {want["size"]}, {want["crc32"]}', 'restart the job')
+        'E-CKPT-003', f'{path.name} of step {step}: {sends.MISMATCH} its manifest (size '
+        f'{len(got)}, crc32 {crc}; its manifest says {want["size"]}, {want["crc32"]})',
+        'restart the job')
   atomic.write_file_durably(path, got)
 
 
@@ -312,13 +315,14 @@ def _commit(work: Path, final: Path, raw: bytes, seal: str, step: int) -> None:
   `final` is another commit of the step, swapped with it in one exchange, manifest included."""
   if manifest.seal_of(raw) != seal:
     raise CheckpointError(
-        'E-CKPT-003', f'the manifest of step {step} sent by process 0 does not '
-        'match its seal', 'restart the job')
+        'E-CKPT-003', f'the manifest of step {step} sent by process 0: {sends.MISMATCH} its '
+        'seal', 'restart the job')
   m = manifest.parse(work, raw)  # what came with it (the run state, the shard table) matches it
   bad = manifest.file_problems(work,
                                {**m, 'files': {r: m['files'][r] for r in holdings.own_files(m)}})
   if bad:
-    raise CheckpointError('E-CKPT-003', f'step {step} as received: {bad[0]}', 'restart the job')
+    raise CheckpointError('E-CKPT-003', f'step {step}: {sends.MISMATCH} its manifest: {bad[0]}',
+                          'restart the job')
   atomic.fsync_dir(work / layout.STATE_DIR)
   if final.exists():
     atomic.write_file_durably(work / layout.MANIFEST, raw)

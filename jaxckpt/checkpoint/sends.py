@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import errno
 import functools
 import json
@@ -307,7 +308,8 @@ class Landing:
     self.crc, self.wrote = crc32(view, self.crc), self.wrote + done
 
   def finish(self, crc: str, against: str) -> str | None:
-    """After the collectives: the problem (the first one met), or None with the file in."""
+    """After the collectives: the problem (the first one met), or None with the file in. It
+    never raises: a process that did would leave the others in the next collective."""
     try:
       try:
         if self.fd is not None and not self.problems:
@@ -316,19 +318,22 @@ class Landing:
         if self.fd is not None:
           os.close(self.fd)
       if self.path is None or self.problems:
-        if self.tmp is not None:
-          self.tmp.unlink(missing_ok=True)
+        self._drop()
         return self.problems[0] if self.problems else None
       if f'{self.crc:08x}' != crc or self.wrote != self.size:
-        self.tmp.unlink(missing_ok=True)
-        return (f'{self.path}: {MISMATCH} {against} (crc32 '
-                f'{self.crc:08x}, {against} says {crc})')
+        self._drop()
+        return (f'{self.path}: {MISMATCH} {against} ({self.wrote} bytes, crc32 {self.crc:08x}; '
+                f'{against} says {self.size}, {crc})')
       os.replace(self.tmp, self.path)
       return None
     except OSError as e:
-      if self.tmp is not None:
-        self.tmp.unlink(missing_ok=True)  # a failed fsync or rename leaves nothing half in
+      self._drop()  # a failed fsync or rename leaves nothing half in
       return self.problems[0] if self.problems else f'{e.filename or self.tmp}: {e.strerror or e}'
+
+  def _drop(self) -> None:
+    if self.tmp is not None:
+      with contextlib.suppress(OSError):  # a disk gone read-only: the next restart removes it
+        self.tmp.unlink(missing_ok=True)
 
 
 def subset_in(path: Path) -> str | None:

@@ -86,11 +86,13 @@ def spread(source: Path | None,
         landing.write(lo, data)
       except OSError as e:
         problems.append(f'{landing.tmp}: {e.strerror or e}')
+      except Exception as e:  # noqa: BLE001 - said to every process, never raised here
+        problems.append(f'{landing.tmp}: {type(e).__name__}: {e}')
 
   sent = _broadcast(spec['size'],
                     (lambda view, lo: sends.fill_window(fd, source, segments, view, lo))
                     if fd is not None and not problems else None, source is not None, keep)
-  problems += [sent] if sent and source is not None else []
+  problems += [sent] if sent else []
   try:  # after the collectives: what fails here is said, never raised
     if fd is not None:
       os.close(fd)
@@ -133,17 +135,30 @@ def _broadcast(size: int, fill: Callable[[memoryview, int], None] | None, is_sou
       if ahead is not None:
         try:  # a read that fails sends zeros: the receivers' checks fail, none left waiting
           buf = ahead.result()
-        except (OSError, CheckpointError) as e:
-          problem = e.line() if isinstance(e, CheckpointError) else str(e)
+        except CheckpointError as e:
+          problem = e.line()
+        except Exception as e:  # noqa: BLE001 - returned, said to every process
+          problem = str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
         ahead = reader.submit(read, i + 1) if problem is None and i + 1 < count else None
       buf = zeros if problem is not None else buf
-      # Returns once the collective is done with `buf`, which the reader then refills.
+      # Returns once the collective is done with `buf`, which the reader then refills; one
+      # process alone gets `buf` back itself, copied before the reader can refill it.
       out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source))
+      out = out.copy() if np.shares_memory(out, buf) else out
       writes.append(writer.submit(keep, i * window, out[:min(window, size - i * window)]))
       while len(writes) > 2:
-        writes.popleft().result()
+        problem = _kept(writes.popleft(), problem)
     for w in writes:
-      w.result()
+      problem = _kept(w, problem)
+  return problem
+
+
+def _kept(write: concurrent.futures.Future, problem: str | None) -> str | None:
+  """`problem`, or the one `keep` raised (it never leaves the windows early)."""
+  try:
+    write.result()
+  except Exception as e:  # noqa: BLE001 - returned, said to every process
+    return problem or f'{type(e).__name__}: {e}'
   return problem
 
 
