@@ -43,7 +43,7 @@ class _Files:
   def entry(self, rel: str, tensor: str) -> tuple[int, int, dict]:
     if rel not in self.open:
       path = layout.safe_member(self.step_dir, rel)
-      subset = path.with_name(path.name + layout.SUBSET)  # what a restore's peers sent
+      subset = layout.subset_of(path)  # what a restore's peers sent
       if not path.exists() and subset.is_file():
         path = subset
       fd = os.open(path, os.O_RDONLY)

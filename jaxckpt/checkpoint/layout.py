@@ -32,6 +32,11 @@ _DEBRIS_RE = re.compile(r'^step_\d{8,}\.(tmp|deleting|aside)-[0-9a-f]+$')
 _ASIDE_RE = re.compile(r'^(step_\d{8,})\.aside-[0-9a-f]+$')
 
 
+def subset_of(part: Path) -> Path:
+  """Where the tensors of `part` a peer restore sent this process alone are kept (`SUBSET`)."""
+  return part.with_name(part.name + SUBSET)
+
+
 def step_dirname(step: int) -> str:
   return f'step_{step:08d}'
 

@@ -211,10 +211,9 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
                remote: Remote | None) -> Restored:
   """Every process, in the same order: the checkpoint's own files to those that lack them, each
   move's part from its sender (which reads it from the remote first where no process holds it),
-  then the commit of a
-  step directory that was not here. A local failure (a full disk, a store error, a part that
-  arrives damaged) does not take a process out of the collectives: it takes part in all of
-  them, then every process raises E-CKPT-016 together, naming it."""
+  then the commit of a step directory that was not here. A local failure (a full disk, a store
+  error, a part that arrives damaged) does not take a process out of the collectives: it takes
+  part in all of them, then every process raises E-CKPT-016 together, naming it."""
   me, step = group.index, plan['step']
   final = ckpt_dir / layout.step_dirname(step)
   have = me == 0 or bool(mine) or manifest.seal_of(_read(final / layout.MANIFEST)) == plan['seal']

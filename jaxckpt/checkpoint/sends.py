@@ -110,8 +110,7 @@ def carry(pairs: list[Pair],
     target = None
     if into:
       path = path_of(into[0])
-      target = (path.with_name(path.name + layout.SUBSET) if
-                (into[0], me) in subsets else path, specs[into[0], me])
+      target = (layout.subset_of(path) if (into[0], me) in subsets else path, specs[into[0], me])
     failed = _round(perm, size, source, target, bufs)
     if target and not failed and target[0] != path:  # a subset
       failed = subset_in(path)

@@ -76,7 +76,7 @@ def spread(source: Path | None,
     problems.append(f'{e.filename}: {e.strerror or e}')
   except CheckpointError as e:
     problems.append(e.line())
-  target = into if into is None or tensors is None else into.with_name(into.name + layout.SUBSET)
+  target = into if into is None or tensors is None else layout.subset_of(into)
   landing = sends.Landing(target, spec['size'], problems)
 
   def keep(lo: int, data: np.ndarray) -> None:
