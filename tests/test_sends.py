@@ -3,6 +3,7 @@ file of those tensors alone, whose size and CRC-32 every process computes from t
 table's rows without the bytes, read from the sender's copy of the part."""
 
 import os
+import threading
 import time
 import zlib
 
@@ -158,6 +159,71 @@ def test_a_broadcast_hands_each_window_on_intact_however_slowly_it_is_written(mo
     time.sleep(0.005)  # a slow disk: the reader runs windows ahead of it
     kept.append((lo, window.tobytes()))
 
-  assert spreads._broadcast(len(data), fill, True, keep) is None
+  with sends.Disk('jaxckpt-send', 'reading') as reader, \
+      sends.Disk('jaxckpt-receive', 'keeping') as writer:
+    assert spreads._broadcast(len(data), fill, True, keep, reader, writer) is None
   assert [lo for lo, _ in kept] == list(range(0, len(data), 4096))
   assert b''.join(w for _, w in kept) == data
+
+
+@pytest.fixture
+def hung(monkeypatch):
+  """A disk that hangs: what waits on it blocks until the test ends (then it is let go)."""
+  monkeypatch.setattr(sends, 'DISK_WAIT_SECS', 0.5)
+  gate = threading.Event()
+
+  def hang(*_):
+    gate.wait(60)
+    raise OSError('let go')
+
+  yield hang
+  gate.set()
+
+
+@pytest.mark.parametrize('where', ['read', 'write'])
+def test_a_broadcast_whose_disk_hangs_names_it_and_still_takes_every_window(
+    hung, monkeypatch, where):
+  """A window's read (or write) that never returns: the broadcast goes on to its last window
+  (sending zeros), since the other processes wait for each, and says what hung."""
+  from jaxckpt.checkpoint import spreads
+  monkeypatch.setattr(sends, 'WINDOW', 4096)
+  data = os.urandom(70_000)
+  kept = []
+
+  def fill(view, lo):
+    if where == 'read' and lo >= 3 * 4096:
+      hung()
+    view[:] = data[lo:lo + len(view)]
+
+  def keep(lo, window):
+    if where == 'write' and lo >= 3 * 4096:
+      hung()
+    kept.append((lo, window.tobytes()))
+
+  started = time.monotonic()
+  with sends.Disk('jaxckpt-send', 'reading /disk/part') as reader, \
+      sends.Disk('jaxckpt-receive', 'writing /disk/part.tmp') as writer:
+    problem = spreads._broadcast(len(data), fill, True, keep, reader, writer)
+  assert time.monotonic() - started < 30
+  what = {'read': 'reading /disk/part', 'write': 'writing /disk/part.tmp'}[where]
+  assert problem == f'{what}: not finished after 0.5 s (thread jaxckpt-' \
+      f'{"send" if where == "read" else "receive"}); a hung disk?', problem
+  if where == 'read':  # every window went, zeros after the hung one
+    assert [lo for lo, _ in kept] == list(range(0, len(data), 4096))
+    assert b''.join(w for _, w in kept) == data[:3 * 4096] + bytes(len(data) - 3 * 4096)
+
+
+def test_a_received_file_whose_write_hangs_is_named_and_never_goes_in(part, hung, monkeypatch):
+  """Point to point (one process sending to itself): the write of a window never returns. The
+  round ends, names the file it was writing, and leaves the file as it was."""
+  path, _, _ = part
+  before = path.read_bytes()
+  monkeypatch.setattr(sends, 'WINDOW', 4096)
+  monkeypatch.setattr(sends.Landing, 'write', lambda *_: hung())
+  entry = {'size': len(before), 'crc32': f'{zlib.crc32(before):08x}'}
+  received, problem = sends.carry([(path.name, 0, 0)], {path.name: entry}, 0,
+                                  lambda rel: path.parent / rel)
+  tmp = path.with_name(path.name + sends.layout.PEER_TMP)
+  assert (received, problem) == (0, f'writing {tmp}: not finished after 0.5 s (thread '
+                                 'jaxckpt-receive); a hung disk?')
+  assert path.read_bytes() == before and not tmp.exists()

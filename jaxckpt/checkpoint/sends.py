@@ -44,6 +44,11 @@ from .errors import CheckpointError
 WINDOW = 8 << 20
 SMALL = 64 << 10  # the window of small files (a manifest, the run state)
 MISMATCH = 'what was received does not match'  # a receiver's check, failed: its sender's doing?
+# A window's read (or write) not finished after this is stuck (a hung disk or mount): its process
+# reads (writes) no more, sends zeros to the end of the windows and names the file, so the job
+# stops with one line, not every process waiting in a collective. The stuck thread is left
+# behind (the trainer's process exits without it: `cli.parser.exit_within`).
+DISK_WAIT_SECS = 120.0
 Pair = tuple[str, int, int]  # (file, the process that sends it, the process that receives it)
 Tensors = list  # a subset: [[tensor, safetensors dtype code, shape, crc32], ...]
 
@@ -235,11 +240,11 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
     buf[want:] = 0  # the last window's tail: zeros, not the window before's bytes
     return buf
 
-  def said(f) -> Any:  # a task's result, or None with its error kept
+  def said(disk: Disk, f) -> Any:  # a task's result, or None with its error kept
     try:
-      return f.result()
+      return disk.result(f)
     except Exception as e:  # noqa: BLE001 - returned to the caller, said to every process
-      problems.append(f'{type(e).__name__}: {e}')
+      problems.append(str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}')
       return None
 
   try:
@@ -250,28 +255,58 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
   except CheckpointError as e:
     problems.append(e.line())
   landing = Landing(into[0] if into else None, into[1]['size'] if into else 0, problems)
-  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-send') as reader, \
-      concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-receive') as writer:
+  with Disk('jaxckpt-send', f'reading {source[0] if source else None}') as reader, \
+      Disk('jaxckpt-receive', f'writing {landing.tmp}') as writer:
     sending = fin is not None and not problems
     ahead = reader.submit(read, 0) if sending else None
     writes = collections.deque()  # at most two windows waiting for the disk
     for i in range(count):
-      buf = (said(ahead) if ahead is not None else None)
+      buf = (said(reader, ahead) if ahead is not None else None)
       buf = zeros if buf is None or problems else buf
       ahead = reader.submit(read, i + 1) if sending and not problems and i + 1 < count else None
       got = _move(perm, buf)  # every window, whatever failed here: the others wait for it
       if landing.open and not problems:
         writes.append(writer.submit(landing.write, i * WINDOW, got))
         while len(writes) > 2:
-          said(writes.popleft())
+          said(writer, writes.popleft())
     for w in writes:
-      said(w)
+      said(writer, w)
+  landing.left = writer.stuck
   try:
-    if fin is not None:
+    if fin is not None and not reader.stuck:  # a stuck read's file is left open
       os.close(fin)
   except OSError as e:
     problems.append(f'{e.filename}: {e.strerror or e}')
   return landing.finish(into[1]['crc32'] if into else '', 'its manifest')
+
+
+class Disk:
+  """A thread for one process's disk work beside the collectives (reading the windows ahead of
+  them, or writing them behind), as a context. `result` waits for a task at most DISK_WAIT_SECS;
+  one not done then is stuck: `result` raises an OSError naming `what` and the thread, and
+  from then on nothing more is run or waited for on it, and leaving does not wait for it."""
+
+  def __init__(self, name: str, what: str):
+    self.name, self.what, self.stuck = name, what, False
+    self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+
+  def __enter__(self) -> Disk:
+    return self
+
+  def __exit__(self, *_) -> None:
+    self.pool.shutdown(wait=not self.stuck, cancel_futures=True)
+
+  def submit(self, fn: Callable, *args) -> concurrent.futures.Future | None:
+    return None if self.stuck else self.pool.submit(fn, *args)
+
+  def result(self, future: concurrent.futures.Future) -> Any:
+    try:
+      return future.result(timeout=0 if self.stuck else DISK_WAIT_SECS)
+    except concurrent.futures.TimeoutError:
+      self.stuck = True
+      future.cancel()
+      raise OSError(f'{self.what}: not finished after {DISK_WAIT_SECS:g} s (thread '
+                    f'{self.name}); a hung disk?') from None
 
 
 class Landing:
@@ -286,6 +321,7 @@ class Landing:
     self.tmp = None if path is None else path.with_name(path.name + layout.PEER_TMP)
     self.crc = self.wrote = 0
     self.fd = None
+    self.left = False  # a write is stuck (`Disk`): the file is left open, never closed under it
     try:
       self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT
                         | os.O_TRUNC, 0o644) if self.tmp else None
@@ -314,7 +350,7 @@ class Landing:
         if self.fd is not None and not self.problems:
           os.fsync(self.fd)
       finally:
-        if self.fd is not None:
+        if self.fd is not None and not self.left:
           os.close(self.fd)
       if self.path is None or self.problems:
         self._drop()
@@ -346,6 +382,6 @@ def subset_in(path: Path) -> str | None:
 
 
 __all__ = [
-    'MISMATCH', 'SMALL', 'WINDOW', 'Landing', 'carry', 'fill_window', 'rounds', 'segments_of',
-    'subset_header', 'subset_in', 'subset_spec', 'tensor_bytes'
+    'DISK_WAIT_SECS', 'MISMATCH', 'SMALL', 'WINDOW', 'Disk', 'Landing', 'carry', 'fill_window',
+    'rounds', 'segments_of', 'subset_header', 'subset_in', 'subset_spec', 'tensor_bytes'
 ]

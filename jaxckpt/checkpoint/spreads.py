@@ -44,13 +44,15 @@ def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | No
     if n != len(view):
       raise OSError(f'{source} ends early')
 
-  try:
-    sent = _broadcast(size, fill if fin is not None else None, source is not None,
-                      lambda _, data: got.append(data.tobytes()))
-    problem = problem or sent
-  finally:
-    if fin is not None:
-      fin.close()
+  with sends.Disk('jaxckpt-send', f'reading {source}') as reader, \
+      sends.Disk('jaxckpt-receive', 'keeping') as writer:
+    try:
+      sent = _broadcast(size, fill if fin is not None else None, source is not None,
+                        lambda _, data: got.append(data.tobytes()), reader, writer)
+      problem = problem or sent
+    finally:
+      if fin is not None and not reader.stuck:  # a stuck read holds it: left, never closed
+        fin.close()
   return (b''.join(got) if receive else None), problem
 
 
@@ -89,12 +91,16 @@ def spread(source: Path | None,
       except Exception as e:  # noqa: BLE001 - said to every process, never raised here
         problems.append(f'{landing.tmp}: {type(e).__name__}: {e}')
 
-  sent = _broadcast(spec['size'],
-                    (lambda view, lo: sends.fill_window(fd, source, segments, view, lo))
-                    if fd is not None and not problems else None, source is not None, keep)
+  with sends.Disk('jaxckpt-send', f'reading {source}') as reader, \
+      sends.Disk('jaxckpt-receive', f'writing {landing.tmp}') as writer:
+    sent = _broadcast(spec['size'],
+                      (lambda view, lo: sends.fill_window(fd, source, segments, view, lo))
+                      if fd is not None and not problems else None, source is not None, keep,
+                      reader, writer)
   problems += [sent] if sent else []
+  landing.left = writer.stuck
   try:  # after the collectives: what fails here is said, never raised
-    if fd is not None:
+    if fd is not None and not reader.stuck:  # a stuck read's file is left open
       os.close(fd)
   except OSError as e:
     problems.append(f'{source}: {e.strerror or e}')
@@ -105,13 +111,15 @@ def spread(source: Path | None,
 
 
 def _broadcast(size: int, fill: Callable[[memoryview, int], None] | None, is_source: bool,
-               keep: Callable[[int, np.ndarray], None]) -> str | None:
+               keep: Callable[[int, np.ndarray],
+                              None], reader: sends.Disk, writer: sends.Disk) -> str | None:
   """`size` bytes from the process where `is_source` to every process, a window at a time
-  (`multihost_utils.broadcast_one_to_all`): the source's `fill(view, offset)` makes each window,
-  the next one read while the one before is in the collective; every process's `keep(offset,
-  bytes)` takes each, on a thread of its own while the next ones move (at most two behind). A
+  (`multihost_utils.broadcast_one_to_all`): the source's `fill(view, offset)` makes each window
+  on `reader`, the next one read while the one before is in the collective; every process's
+  `keep(offset, bytes)` takes each on `writer` while the next ones move (at most two behind). A
   `fill` that fails (or none, on the source) sends zeros to the end: every process takes part
-  in every window. The source's problem, or None."""
+  in every window; so does one that is stuck (`sends.Disk`), and a stuck `keep` keeps no
+  more. The problem of this process's reads or keeps, or None."""
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   window = sends.SMALL if size <= sends.SMALL else sends.WINDOW
   problem = None if fill is not None or not is_source else 'nothing to send'
@@ -126,39 +134,38 @@ def _broadcast(size: int, fill: Callable[[memoryview, int], None] | None, is_sou
     return buf
 
   count = -(-size // window)
-  with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-send') as reader, \
-      concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='jaxckpt-receive') as writer:
-    ahead = reader.submit(read, 0) if fill is not None and count else None
-    writes = collections.deque()
-    for i in range(count):
-      buf = zeros
-      if ahead is not None:
-        try:  # a read that fails sends zeros: the receivers' checks fail, none left waiting
-          buf = ahead.result()
-        except CheckpointError as e:
-          problem = e.line()
-        except Exception as e:  # noqa: BLE001 - returned, said to every process
-          problem = str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
-        ahead = reader.submit(read, i + 1) if problem is None and i + 1 < count else None
-      buf = zeros if problem is not None else buf
-      # Returns once the collective is done with `buf`, which the reader then refills; one
-      # process alone gets `buf` back itself, copied before the reader can refill it.
-      out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source))
-      out = out.copy() if np.shares_memory(out, buf) else out
-      writes.append(writer.submit(keep, i * window, out[:min(window, size - i * window)]))
-      while len(writes) > 2:
-        problem = _kept(writes.popleft(), problem)
-    for w in writes:
-      problem = _kept(w, problem)
+  ahead = reader.submit(read, 0) if fill is not None and count else None
+  writes = collections.deque()
+  for i in range(count):
+    buf = zeros
+    if ahead is not None:
+      try:  # a read that fails sends zeros: the receivers' checks fail, none left waiting
+        buf = reader.result(ahead)
+      except CheckpointError as e:
+        problem = e.line()
+      except Exception as e:  # noqa: BLE001 - returned, said to every process
+        problem = str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
+      ahead = reader.submit(read, i + 1) if problem is None and i + 1 < count else None
+    buf = zeros if problem is not None else buf
+    # Returns once the collective is done with `buf`, which the reader then refills; one
+    # process alone gets `buf` back itself, copied before the reader can refill it.
+    out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source))
+    out = out.copy() if np.shares_memory(out, buf) else out
+    write = writer.submit(keep, i * window, out[:min(window, size - i * window)])
+    writes.extend([write] if write is not None else [])
+    while len(writes) > 2:
+      problem = _kept(writer, writes.popleft(), problem)
+  for w in writes:
+    problem = _kept(writer, w, problem)
   return problem
 
 
-def _kept(write: concurrent.futures.Future, problem: str | None) -> str | None:
+def _kept(writer: sends.Disk, write: concurrent.futures.Future, problem: str | None) -> str | None:
   """`problem`, or the one `keep` raised (it never leaves the windows early)."""
   try:
-    write.result()
+    writer.result(write)
   except Exception as e:  # noqa: BLE001 - returned, said to every process
-    return problem or f'{type(e).__name__}: {e}'
+    return problem or (str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}')
   return problem
 
 
