@@ -107,10 +107,10 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   if '-cut' in cmd and process == 0:  # its disk fails while it sends the shard table
     send = spreads.broadcast
 
-    def broadcast(source, size, receive):
+    def broadcast(source, size, receive, disk=None):
       if source is not None and source.name == 'shards.json':
         source.write_bytes(source.read_bytes()[:size // 2])
-      return send(source, size, receive)
+      return send(source, size, receive, disk)
 
     spreads.broadcast = broadcast
   if '-eio' in cmd and process == 0:  # its disk fails while it plans the restore

@@ -2,6 +2,7 @@
 file of those tensors alone, whose size and CRC-32 every process computes from the shard
 table's rows without the bytes, read from the sender's copy of the part."""
 
+import errno
 import os
 import threading
 import time
@@ -159,9 +160,8 @@ def test_a_broadcast_hands_each_window_on_intact_however_slowly_it_is_written(mo
     time.sleep(0.005)  # a slow disk: the reader runs windows ahead of it
     kept.append((lo, window.tobytes()))
 
-  with sends.Disk('jaxckpt-send', 'reading') as reader, \
-      sends.Disk('jaxckpt-receive', 'keeping') as writer:
-    assert spreads._broadcast(len(data), fill, True, keep, reader, writer) is None
+  with sends.Disk() as disk:
+    assert spreads._broadcast(len(data), fill, True, keep, disk) is None
   assert [lo for lo, _ in kept] == list(range(0, len(data), 4096))
   assert b''.join(w for _, w in kept) == data
 
@@ -180,13 +180,23 @@ def hung(monkeypatch):
   gate.set()
 
 
+def hung_line(what, thread):
+  return f'{what}: not done after a wait of 0.5 s (thread {thread}); a hung disk?'
+
+
 @pytest.mark.parametrize('where', ['read', 'write'])
 def test_a_broadcast_whose_disk_hangs_names_it_and_still_takes_every_window(
     hung, monkeypatch, where):
   """A window's read (or write) that never returns: the broadcast goes on to its last window
-  (sending zeros), since the other processes wait for each, and says what hung."""
+  (sending zeros), since the other processes wait for each, and says what hung; the disk is
+  then stuck, and nothing more runs on it."""
+  from jax.experimental import multihost_utils
+
   from jaxckpt.checkpoint import spreads
   monkeypatch.setattr(sends, 'WINDOW', 4096)
+  real, windows = multihost_utils.broadcast_one_to_all, []
+  monkeypatch.setattr(multihost_utils, 'broadcast_one_to_all',
+                      lambda x, is_source: windows.append(1) or real(x, is_source=is_source))
   data = os.urandom(70_000)
   kept = []
 
@@ -201,29 +211,61 @@ def test_a_broadcast_whose_disk_hangs_names_it_and_still_takes_every_window(
     kept.append((lo, window.tobytes()))
 
   started = time.monotonic()
-  with sends.Disk('jaxckpt-send', 'reading /disk/part') as reader, \
-      sends.Disk('jaxckpt-receive', 'writing /disk/part.tmp') as writer:
-    problem = spreads._broadcast(len(data), fill, True, keep, reader, writer)
+  with sends.Disk() as disk:
+    problem = spreads._broadcast(
+        len(data), fill, True, keep, disk, 'reading /disk/part', 'writing /disk/part.tmp')
   assert time.monotonic() - started < 30
-  what = {'read': 'reading /disk/part', 'write': 'writing /disk/part.tmp'}[where]
-  assert problem == f'{what}: not finished after 0.5 s (thread jaxckpt-' \
-      f'{"send" if where == "read" else "receive"}); a hung disk?', problem
-  if where == 'read':  # every window went, zeros after the hung one
-    assert [lo for lo, _ in kept] == list(range(0, len(data), 4096))
-    assert b''.join(w for _, w in kept) == data[:3 * 4096] + bytes(len(data) - 3 * 4096)
+  line = hung_line('reading /disk/part', 'jaxckpt-send') if where == 'read' else hung_line(
+      'writing /disk/part.tmp', 'jaxckpt-receive')
+  assert problem == line == disk.stuck
+  assert len(windows) == 18  # every window went through the collective
+  assert b''.join(w for _, w in kept) == data[:3 * 4096]  # none kept once the disk hung
 
 
-def test_a_received_file_whose_write_hangs_is_named_and_never_goes_in(part, hung, monkeypatch):
+def test_a_task_that_times_out_itself_is_its_own_error_not_a_hang():
+  """A read that fails at once with ETIMEDOUT (a soft NFS mount) is that error, and the disk is
+  not taken for hung."""
+  from jaxckpt.checkpoint import spreads
+
+  def fill(view, lo):
+    raise TimeoutError(errno.ETIMEDOUT, 'Connection timed out', '/nfs/part')
+
+  with sends.Disk() as disk:
+    problem = spreads._broadcast(100_000, fill, True, lambda *_: None, disk)
+  assert problem == "[Errno 110] Connection timed out: '/nfs/part'" and disk.stuck is None
+
+
+def test_a_received_file_whose_write_hangs_is_named_and_its_disk_touched_no_more(
+    part, hung, monkeypatch, tmp_path):
   """Point to point (one process sending to itself): the write of a window never returns. The
-  round ends, names the file it was writing, and leaves the file as it was."""
+  round ends and names the file it was writing; the file in place is as it was, and the
+  temporary one is left for the next restart (a syscall on a hung disk would hang too), open.
+  The next sends on that disk open nothing and send zeros."""
   path, _, _ = part
   before = path.read_bytes()
   monkeypatch.setattr(sends, 'WINDOW', 4096)
   monkeypatch.setattr(sends.Landing, 'write', lambda *_: hung())
+  closed = []
+  real_close = os.close
+  monkeypatch.setattr(os, 'close', lambda fd: closed.append(fd) or real_close(fd))
   entry = {'size': len(before), 'crc32': f'{zlib.crc32(before):08x}'}
-  received, problem = sends.carry([(path.name, 0, 0)], {path.name: entry}, 0,
-                                  lambda rel: path.parent / rel)
+  opened = []
+
+  def path_of(rel):
+    opened.append(rel)
+    return path.parent / rel
+
   tmp = path.with_name(path.name + sends.layout.PEER_TMP)
-  assert (received, problem) == (0, f'writing {tmp}: not finished after 0.5 s (thread '
-                                 'jaxckpt-receive); a hung disk?')
-  assert path.read_bytes() == before and not tmp.exists()
+  with sends.Disk() as disk:
+    received, problem = sends.carry([(path.name, 0, 0)], {path.name: entry}, 0, path_of, disk=disk)
+    line = hung_line(f'writing {tmp}', 'jaxckpt-receive')
+    assert (received, problem) == (0, line) and disk.stuck == line
+    assert path.read_bytes() == before and tmp.exists()
+    assert closed == [] and opened == [path.name, path.name]  # no file closed under it
+    # Another carry, and a spread, with the same disk: nothing opened, the same line.
+    other = tmp_path / 'other'
+    assert sends.carry([(path.name, 0, 0)], {path.name: entry}, 0, path_of, disk=disk) == (0, line)
+    from jaxckpt.checkpoint import spreads
+    assert spreads.spread(path, None, other, entry, disk) == (0, line)
+    assert spreads.broadcast(path, 100, True, disk) == (b'', line)
+    assert opened == [path.name, path.name] and not other.exists() and closed == []

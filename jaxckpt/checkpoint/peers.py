@@ -213,7 +213,14 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   move's part from its sender (which reads it from the remote first where no process holds it),
   then the commit of a step directory that was not here. A local failure (a full disk, a store
   error, a part that arrives damaged) does not take a process out of the collectives: it takes
-  part in all of them, then every process raises E-CKPT-016 together, naming it."""
+  part in all of them, then every process raises E-CKPT-016 together, naming it. A disk that
+  hangs in a send is touched no more, by any thread (`sends.Disk`)."""
+  with sends.Disk() as disk:
+    return _carry_on(ckpt_dir, plan, mine, group, remote, disk)
+
+
+def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: multihost.Group,
+              remote: Remote | None, disk: sends.Disk) -> Restored:
   me, step = group.index, plan['step']
   final = ckpt_dir / layout.step_dirname(step)
   have = me == 0 or bool(mine) or manifest.seal_of(_read(final / layout.MANIFEST)) == plan['seal']
@@ -222,7 +229,8 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   problems: list[str] = []
 
   def local(fn: Callable[[], Any]) -> Any:
-    if problems:
+    if problems or disk.stuck:
+      problems.extend([disk.stuck] if disk.stuck and not problems else [])
       return None
     try:
       return fn()
@@ -242,7 +250,7 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
     gate('meta', f"step {step}'s own files, sent to the processes without them")
   for name in plan['meta'] if meta_to else ():  # the manifest last
     got, problem = spreads.broadcast(final / name if me == plan['from'].get(name, 0) else None,
-                                     plan['meta'][name], me in meta_to)
+                                     plan['meta'][name], me in meta_to, disk)
     problems += [problem] if problem else []
     if name == layout.MANIFEST:
       raw = got or b''
@@ -261,14 +269,14 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
                                               'remote' if load else ''),
       group.timeout_secs + max(load.values(), default=0) / FETCH_FLOOR)
   got, problem = sends.carry(moves.pairs, plan['files'], me,
-                             lambda rel: layout.safe_member(work, rel), moves.subsets)
+                             lambda rel: layout.safe_member(work, rel), moves.subsets, disk)
   sources['peers'] = got
   problems += [problem] if problem else []
   for rel, source, group_of, tensors in moves.spreads:  # every process, whatever failed here
     path = local(lambda rel=rel: layout.safe_member(work, rel)) if me == source or \
         me in group_of else None
     got, problem = spreads.spread(path if me == source else None, tensors,
-                                  path if me in group_of else None, plan['files'][rel])
+                                  path if me in group_of else None, plan['files'][rel], disk)
     sources['peers'] += got
     problems += [problem] if problem else []
   sources['own'] = plan['held'][me]
@@ -281,7 +289,7 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   failed = [(k, p) for k, p in enumerate(said) if p]
   cause = _cause([p for _, p in failed])
   if failed:
-    if not have:
+    if not have and not disk.stuck:  # a hung disk: the next restart removes it
       import shutil  # pylint: disable=import-outside-toplevel
       shutil.rmtree(work, ignore_errors=True)
     raise CheckpointError(

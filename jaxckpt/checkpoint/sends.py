@@ -27,7 +27,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
 
@@ -44,11 +44,12 @@ from .errors import CheckpointError
 WINDOW = 8 << 20
 SMALL = 64 << 10  # the window of small files (a manifest, the run state)
 MISMATCH = 'what was received does not match'  # a receiver's check, failed: its sender's doing?
-# A window's read (or write) not finished after this is stuck (a hung disk or mount): its process
-# reads (writes) no more, sends zeros to the end of the windows and names the file, so the job
-# stops with one line, not every process waiting in a collective. The stuck thread is left
+# A window's read (or write) not done after this is stuck (a hung disk or mount): its process
+# touches that disk no more, sends zeros to the end of the windows and names the file, so the
+# job stops with one line, not every process waiting in a collective. The stuck thread is left
 # behind (the trainer's process exits without it: `cli.parser.exit_within`).
 DISK_WAIT_SECS = 120.0
+READER, WRITER = 'jaxckpt-send', 'jaxckpt-receive'  # `Disk`'s threads
 Pair = tuple[str, int, int]  # (file, the process that sends it, the process that receives it)
 Tensors = list  # a subset: [[tensor, safetensors dtype code, shape, crc32], ...]
 
@@ -90,14 +91,18 @@ def carry(pairs: list[Pair],
           files: Mapping[str, Mapping[str, Any]],
           me: int,
           path_of: Callable[[str], Path],
-          subsets: Mapping[tuple[str, int], Tensors] | None = None) -> tuple[int, str | None]:
+          subsets: Mapping[tuple[str, int], Tensors] | None = None,
+          disk: Disk | None = None) -> tuple[int, str | None]:
   """Every process, with the same `pairs`: sends the files it is the sender of (read at
   `path_of(file)`), receives the ones it is the receiver of (written there). `subsets`: {(file,
   receiver): tensors}: that receiver gets those tensors of the file alone, written at
   `path_of(file)` + `SUBSET`. Returns (the bytes this process received intact, its first
   problem or None). A process whose read or write fails goes on taking part in every window of
   every round (sending zeros), so that no other process is left waiting in a collective; the
-  caller says the problem to all."""
+  caller says the problem to all. `disk`: the restore's (`Disk`), else one of its own."""
+  if disk is None:
+    with Disk() as disk:
+      return carry(pairs, files, me, path_of, subsets, disk)
   subsets = subsets or {}
   specs = {(rel, dst): subset_spec(subsets[rel, dst]) if (rel, dst) in subsets else files[rel]
            for rel, _, dst in pairs}
@@ -111,15 +116,16 @@ def carry(pairs: list[Pair],
     into = [rel for rel, _, dst in round_ if dst == me]
     size = max(specs[rel, dst]['size'] for rel, _, dst in round_)
     perm = tuple(sorted((src, dst) for _, src, dst in round_))
-    source = (path_of(out[0][0]), subsets.get(out[0]), specs[out[0]]['size']) if out else None
-    target = None
-    if into:
+    source = target = None
+    if out and not disk.stuck:  # a hung disk: nothing more opened, zeros sent
+      source = (path_of(out[0][0]), subsets.get(out[0]), specs[out[0]]['size'])
+    if into and not disk.stuck:
       path = path_of(into[0])
       target = (layout.subset_of(path) if (into[0], me) in subsets else path, specs[into[0], me])
-    failed = _round(perm, size, source, target, bufs)
+    failed = _round(perm, size, source, target, bufs, disk)
     if target and not failed and target[0] != path:  # a subset
       failed = subset_in(path)
-    problem = problem or failed
+    problem = problem or failed or disk.stuck
     received += target[1]['size'] if target and not failed else 0
   return received, problem
 
@@ -220,7 +226,8 @@ def _move(perm, buf: np.ndarray) -> np.ndarray:
 
 
 def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
-           into: tuple[Path, Mapping[str, Any]] | None, bufs: list[np.ndarray]) -> str | None:
+           into: tuple[Path, Mapping[str, Any]] | None, bufs: list[np.ndarray],
+           disk: Disk) -> str | None:
   """One round's windows: this process sends `source` (path, the tensors of a subset or None
   for the whole file, the bytes sent), receives `into` (path, its {size, crc32}), either, both
   or neither; `size` is the round's largest; `bufs`: the carry's two read buffers. Returns
@@ -228,7 +235,7 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
   early."""
   count = -(-size // WINDOW)
   zeros = np.zeros(WINDOW, np.uint8)
-  problems: list[str] = []
+  problems: list[str] = [disk.stuck] if disk.stuck else []
   fin = None
   segments: list = []
 
@@ -240,12 +247,14 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
     buf[want:] = 0  # the last window's tail: zeros, not the window before's bytes
     return buf
 
-  def said(disk: Disk, f) -> Any:  # a task's result, or None with its error kept
+  def said(task: Task) -> Any:  # a task's result, or None with its error kept
     try:
-      return disk.result(f)
+      return disk.result(task)
+    except Stuck as e:
+      problems.extend([] if str(e) in problems else [str(e)])
     except Exception as e:  # noqa: BLE001 - returned to the caller, said to every process
       problems.append(str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}')
-      return None
+    return None
 
   try:
     fin = os.open(source[0], os.O_RDONLY) if source is not None else None
@@ -255,58 +264,82 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
   except CheckpointError as e:
     problems.append(e.line())
   landing = Landing(into[0] if into else None, into[1]['size'] if into else 0, problems)
-  with Disk('jaxckpt-send', f'reading {source[0] if source else None}') as reader, \
-      Disk('jaxckpt-receive', f'writing {landing.tmp}') as writer:
-    sending = fin is not None and not problems
-    ahead = reader.submit(read, 0) if sending else None
-    writes = collections.deque()  # at most two windows waiting for the disk
-    for i in range(count):
-      buf = (said(reader, ahead) if ahead is not None else None)
-      buf = zeros if buf is None or problems else buf
-      ahead = reader.submit(read, i + 1) if sending and not problems and i + 1 < count else None
-      got = _move(perm, buf)  # every window, whatever failed here: the others wait for it
-      if landing.open and not problems:
-        writes.append(writer.submit(landing.write, i * WINDOW, got))
-        while len(writes) > 2:
-          said(writer, writes.popleft())
-    for w in writes:
-      said(writer, w)
-  landing.left = writer.stuck
+  reading, writing = f'reading {source[0] if source else ""}', f'writing {landing.tmp}'
+  sending = fin is not None and not problems
+  ahead = disk.submit(READER, reading, read, 0) if sending else None
+  writes = collections.deque()  # at most two windows waiting for the disk
+  for i in range(count):
+    buf = (said(ahead) if ahead is not None else None)
+    buf = zeros if buf is None or problems else buf
+    more = sending and not problems and i + 1 < count
+    ahead = disk.submit(READER, reading, read, i + 1) if more else None
+    got = _move(perm, buf)  # every window, whatever failed here: the others wait for it
+    taking = landing.open and not problems
+    write = disk.submit(WRITER, writing, landing.write, i * WINDOW, got) if taking else None
+    writes.extend([write] if write is not None else [])
+    while len(writes) > 2:
+      said(writes.popleft())
+  for w in writes:
+    said(w)
+  landing.left = disk.stuck is not None
   try:
-    if fin is not None and not reader.stuck:  # a stuck read's file is left open
+    if fin is not None and not disk.stuck:  # a hung disk's file is left open
       os.close(fin)
   except OSError as e:
     problems.append(f'{e.filename}: {e.strerror or e}')
   return landing.finish(into[1]['crc32'] if into else '', 'its manifest')
 
 
-class Disk:
-  """A thread for one process's disk work beside the collectives (reading the windows ahead of
-  them, or writing them behind), as a context. `result` waits for a task at most DISK_WAIT_SECS;
-  one not done then is stuck: `result` raises an OSError naming `what` and the thread, and
-  from then on nothing more is run or waited for on it, and leaving does not wait for it."""
+class Stuck(OSError):
+  """A disk task not done after DISK_WAIT_SECS (`Disk`): its message names what and the thread."""
 
-  def __init__(self, name: str, what: str):
-    self.name, self.what, self.stuck = name, what, False
-    self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+
+class Task(NamedTuple):
+  future: concurrent.futures.Future
+  thread: str
+  what: str
+
+
+class Disk:
+  """One process's disk work beside the collectives of a restore from the peers (the windows
+  read ahead of each collective, and written behind it), a thread for each kind, as a context.
+  `result` waits for a task at most DISK_WAIT_SECS: one not done then is stuck, a hung disk or
+  mount, and so is this process's disk from then on (`stuck` names what hung): no task runs on
+  it, its callers do no more disk work on their own thread either (it would hang there, every
+  other process waiting in the next collective) and send zeros to the last window, and leaving
+  does not wait for the threads."""
+
+  def __init__(self):
+    self.stuck: str | None = None
+    self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
   def __enter__(self) -> Disk:
     return self
 
-  def __exit__(self, *_) -> None:
-    self.pool.shutdown(wait=not self.stuck, cancel_futures=True)
+  def __exit__(self, failed, *_) -> None:
+    for pool in self._pools.values():
+      pool.shutdown(wait=self.stuck is None and failed is None, cancel_futures=True)
 
-  def submit(self, fn: Callable, *args) -> concurrent.futures.Future | None:
-    return None if self.stuck else self.pool.submit(fn, *args)
+  def submit(self, thread: str, what: str, fn: Callable, *args) -> Task | None:
+    """`fn(*args)` on the thread named `thread`, `what` naming it should it hang; None once the
+    disk is stuck."""
+    if self.stuck is not None:
+      return None
+    if thread not in self._pools:
+      self._pools[thread] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread)
+    return Task(self._pools[thread].submit(fn, *args), thread, what)
 
-  def result(self, future: concurrent.futures.Future) -> Any:
-    try:
-      return future.result(timeout=0 if self.stuck else DISK_WAIT_SECS)
-    except concurrent.futures.TimeoutError:
-      self.stuck = True
-      future.cancel()
-      raise OSError(f'{self.what}: not finished after {DISK_WAIT_SECS:g} s (thread '
-                    f'{self.name}); a hung disk?') from None
+  def result(self, task: Task) -> Any:
+    """`task`'s result (or its exception), once done; Stuck if it is not within DISK_WAIT_SECS
+    (none at all, once the disk is stuck)."""
+    done, _ = concurrent.futures.wait([task.future],
+                                      timeout=0 if self.stuck is not None else DISK_WAIT_SECS)
+    if not done:
+      task.future.cancel()
+      self.stuck = self.stuck or (f'{task.what}: not done after a wait of {DISK_WAIT_SECS:g} s '
+                                  f'(thread {task.thread}); a hung disk?')
+      raise Stuck(self.stuck)
+    return task.future.result()
 
 
 class Landing:
@@ -321,7 +354,9 @@ class Landing:
     self.tmp = None if path is None else path.with_name(path.name + layout.PEER_TMP)
     self.crc = self.wrote = 0
     self.fd = None
-    self.left = False  # a write is stuck (`Disk`): the file is left open, never closed under it
+    # The disk hung (`Disk`): the file is left as it is, open, its temporary name removed at
+    # the next restart (`holdings.tidy`): a stuck write may hold it, and a syscall would hang.
+    self.left = False
     try:
       self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT
                         | os.O_TRUNC, 0o644) if self.tmp else None
@@ -345,12 +380,14 @@ class Landing:
   def finish(self, crc: str, against: str) -> str | None:
     """After the collectives: the problem (the first one met), or None with the file in. It
     never raises: a process that did would leave the others in the next collective."""
+    if self.left:
+      return self.problems[0] if self.problems else f'{self.tmp}: left on a hung disk'
     try:
       try:
         if self.fd is not None and not self.problems:
           os.fsync(self.fd)
       finally:
-        if self.fd is not None and not self.left:
+        if self.fd is not None:
           os.close(self.fd)
       if self.path is None or self.problems:
         self._drop()
@@ -382,6 +419,7 @@ def subset_in(path: Path) -> str | None:
 
 
 __all__ = [
-    'DISK_WAIT_SECS', 'MISMATCH', 'SMALL', 'WINDOW', 'Disk', 'Landing', 'carry', 'fill_window',
-    'rounds', 'segments_of', 'subset_header', 'subset_in', 'subset_spec', 'tensor_bytes'
+    'DISK_WAIT_SECS', 'MISMATCH', 'READER', 'SMALL', 'WINDOW', 'WRITER', 'Disk', 'Landing', 'Stuck',
+    'carry', 'fill_window', 'rounds', 'segments_of', 'subset_header', 'subset_in', 'subset_spec',
+    'tensor_bytes'
 ]

@@ -14,7 +14,6 @@ in).
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -25,14 +24,21 @@ from . import layout, sends
 from .errors import CheckpointError
 
 
-def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | None, str | None]:
+def broadcast(source: Path | None,
+              size: int,
+              receive: bool,
+              disk: sends.Disk | None = None) -> tuple[bytes | None, str | None]:
   """A small file from the process that reads it from `source` to every process (a JAX
   collective, in windows): (its bytes for a receiver, else None; this process's problem or
   None). A source that cannot read sends zeros to the end (the others' CRC checks fail) and says
-  why. Every process calls it with the same `size`."""
-  got, problem = [], None
-  try:
-    fin = open(source, 'rb') if source is not None else None  # pylint: disable=consider-using-with
+  why. Every process calls it with the same `size`. `disk`: the restore's (`sends.Disk`), else
+  one of its own."""
+  if disk is None:
+    with sends.Disk() as disk:
+      return broadcast(source, size, receive, disk)
+  got, problem = [], disk.stuck
+  try:  # a hung disk (`disk.stuck`): nothing more opened, zeros sent
+    fin = open(source, 'rb') if source is not None and not problem else None  # pylint: disable=consider-using-with
   except OSError as e:
     fin, problem = None, f'{source}: {e.strerror or e}'
 
@@ -44,22 +50,22 @@ def broadcast(source: Path | None, size: int, receive: bool) -> tuple[bytes | No
     if n != len(view):
       raise OSError(f'{source} ends early')
 
-  with sends.Disk('jaxckpt-send', f'reading {source}') as reader, \
-      sends.Disk('jaxckpt-receive', 'keeping') as writer:
-    try:
-      sent = _broadcast(size, fill if fin is not None else None, source is not None,
-                        lambda _, data: got.append(data.tobytes()), reader, writer)
-      problem = problem or sent
-    finally:
-      if fin is not None and not reader.stuck:  # a stuck read holds it: left, never closed
-        fin.close()
+  try:
+    sent = _broadcast(size, fill if fin is not None else None, source is not None,
+                      lambda _, data: got.append(data.tobytes()), disk, f'reading {source}',
+                      'keeping it')
+    problem = problem or sent
+  finally:
+    if fin is not None and not disk.stuck:  # a read of it may hang there yet: left open
+      fin.close()
   return (b''.join(got) if receive else None), problem
 
 
 def spread(source: Path | None,
            tensors: sends.Tensors | None,
            into: Path | None,
-           whole: Mapping[str, Any] | None = None) -> tuple[int, str | None]:
+           whole: Mapping[str, Any] | None = None,
+           disk: sends.Disk | None = None) -> tuple[int, str | None]:
   """The same bytes of a part from its sender to every process at once, window by window, in one
   collective each: where several processes need the same bytes of one part (its few replicated
   tensors in a fully sharded job: every process but its owner; the whole part in a
@@ -68,9 +74,14 @@ def spread(source: Path | None,
   for the whole part, which it gets at `into` checked against `whole` (its {size, crc32} in the
   manifest); `into`: the part's path on a receiver. Every process calls it with the same
   `tensors` and `whole`. Returns (the bytes this process received intact, its problem or
-  None)."""
+  None). `disk`: the restore's (`sends.Disk`), else one of its own."""
+  if disk is None:
+    with sends.Disk() as disk:
+      return spread(source, tensors, into, whole, disk)
   spec = sends.subset_spec(tensors) if tensors is not None else whole
-  fd, problems = None, []
+  fd, problems, is_source = None, [disk.stuck] if disk.stuck else [], source is not None
+  if problems:  # a hung disk: nothing more opened, zeros sent
+    source = into = None
   try:
     fd = os.open(source, os.O_RDONLY) if source is not None else None
     segments = sends.segments_of(source, fd, tensors, spec['size']) if fd is not None else []
@@ -91,16 +102,14 @@ def spread(source: Path | None,
       except Exception as e:  # noqa: BLE001 - said to every process, never raised here
         problems.append(f'{landing.tmp}: {type(e).__name__}: {e}')
 
-  with sends.Disk('jaxckpt-send', f'reading {source}') as reader, \
-      sends.Disk('jaxckpt-receive', f'writing {landing.tmp}') as writer:
-    sent = _broadcast(spec['size'],
-                      (lambda view, lo: sends.fill_window(fd, source, segments, view, lo))
-                      if fd is not None and not problems else None, source is not None, keep,
-                      reader, writer)
-  problems += [sent] if sent else []
-  landing.left = writer.stuck
+  sent = _broadcast(spec['size'],
+                    (lambda view, lo: sends.fill_window(fd, source, segments, view, lo))
+                    if fd is not None and not problems else None, is_source, keep, disk,
+                    f'reading {source}', f'writing {landing.tmp}')
+  problems += [sent] if sent and sent not in problems else []
+  landing.left = disk.stuck is not None
   try:  # after the collectives: what fails here is said, never raised
-    if fd is not None and not reader.stuck:  # a stuck read's file is left open
+    if fd is not None and not disk.stuck:  # a read of it may hang there yet: left open
       os.close(fd)
   except OSError as e:
     problems.append(f'{source}: {e.strerror or e}')
@@ -110,16 +119,21 @@ def spread(source: Path | None,
   return spec['size'], sends.subset_in(into) if tensors is not None else None
 
 
-def _broadcast(size: int, fill: Callable[[memoryview, int], None] | None, is_source: bool,
-               keep: Callable[[int, np.ndarray],
-                              None], reader: sends.Disk, writer: sends.Disk) -> str | None:
+def _broadcast(size: int,
+               fill: Callable[[memoryview, int], None] | None,
+               is_source: bool,
+               keep: Callable[[int, np.ndarray], None],
+               disk: sends.Disk,
+               reading: str = 'reading',
+               keeping: str = 'keeping') -> str | None:
   """`size` bytes from the process where `is_source` to every process, a window at a time
   (`multihost_utils.broadcast_one_to_all`): the source's `fill(view, offset)` makes each window
-  on `reader`, the next one read while the one before is in the collective; every process's
-  `keep(offset, bytes)` takes each on `writer` while the next ones move (at most two behind). A
-  `fill` that fails (or none, on the source) sends zeros to the end: every process takes part
-  in every window; so does one that is stuck (`sends.Disk`), and a stuck `keep` keeps no
-  more. The problem of this process's reads or keeps, or None."""
+  on `disk`'s reader, the next one read while the one before is in the collective; every
+  process's `keep(offset, bytes)` takes each on its writer while the next ones move (at most two
+  behind). A `fill` that fails (or none, on the source) sends zeros to the end: every process
+  takes part in every window; so does one that hangs (`sends.Disk`: `reading` and `keeping`
+  name what hung), and then no `keep` runs either. The problem of this process's reads or
+  keeps, or None."""
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
   window = sends.SMALL if size <= sends.SMALL else sends.WINDOW
   problem = None if fill is not None or not is_source else 'nothing to send'
@@ -134,36 +148,38 @@ def _broadcast(size: int, fill: Callable[[memoryview, int], None] | None, is_sou
     return buf
 
   count = -(-size // window)
-  ahead = reader.submit(read, 0) if fill is not None and count else None
+  ahead = disk.submit(sends.READER, reading, read, 0) if fill is not None and count else None
   writes = collections.deque()
   for i in range(count):
     buf = zeros
     if ahead is not None:
       try:  # a read that fails sends zeros: the receivers' checks fail, none left waiting
-        buf = reader.result(ahead)
+        buf = disk.result(ahead)
       except CheckpointError as e:
         problem = e.line()
       except Exception as e:  # noqa: BLE001 - returned, said to every process
         problem = str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
-      ahead = reader.submit(read, i + 1) if problem is None and i + 1 < count else None
+      more = problem is None and i + 1 < count
+      ahead = disk.submit(sends.READER, reading, read, i + 1) if more else None
     buf = zeros if problem is not None else buf
     # Returns once the collective is done with `buf`, which the reader then refills; one
     # process alone gets `buf` back itself, copied before the reader can refill it.
     out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source))
     out = out.copy() if np.shares_memory(out, buf) else out
-    write = writer.submit(keep, i * window, out[:min(window, size - i * window)])
+    write = disk.submit(sends.WRITER, keeping, keep, i * window,
+                        out[:min(window, size - i * window)])
     writes.extend([write] if write is not None else [])
     while len(writes) > 2:
-      problem = _kept(writer, writes.popleft(), problem)
+      problem = _kept(disk, writes.popleft(), problem)
   for w in writes:
-    problem = _kept(writer, w, problem)
+    problem = _kept(disk, w, problem)
   return problem
 
 
-def _kept(writer: sends.Disk, write: concurrent.futures.Future, problem: str | None) -> str | None:
+def _kept(disk: sends.Disk, write: sends.Task, problem: str | None) -> str | None:
   """`problem`, or the one `keep` raised (it never leaves the windows early)."""
   try:
-    writer.result(write)
+    disk.result(write)
   except Exception as e:  # noqa: BLE001 - returned, said to every process
     return problem or (str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}')
   return problem
