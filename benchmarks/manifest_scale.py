@@ -110,6 +110,40 @@ def record(k: int, shards: dict[str, tuple], grid: shardgrid.Grid | None) -> tup
                                 grid), size
 
 
+class Device:
+  """A device of process `process`, as a sharding names it."""
+
+  def __init__(self, process: int):
+    self.process_index = process
+
+
+class Sharding:
+  """A synthetic sharding (for a job that does not run here): the boxes of an array split evenly
+  over `devices` along `axis` (None: replicated on all of them), as `jax.sharding` gives them."""
+
+  def __init__(self, devices: list, axis: int | None):
+    self.devices, self.axis = devices, axis
+
+  # Equal when laid out alike, as jax's shardings are (a NamedSharding: same mesh and spec).
+  def __eq__(self, other):
+    return isinstance(other, Sharding) and (self.devices, self.axis) == (other.devices, other.axis)
+
+  def __hash__(self):
+    return hash((len(self.devices), self.axis))
+
+  def devices_indices_map(self, shape):
+    if self.axis is None:
+      whole = tuple(slice(None) for _ in shape)
+      return {d: whole for d in self.devices}
+    c = shape[self.axis] // len(self.devices)
+    return {
+        d:
+            tuple(
+                slice(k * c, (k + 1) * c) if a == self.axis else slice(None)
+                for a in range(len(shape))) for k, d in enumerate(self.devices)
+    }
+
+
 def _timed(fn):
   t0 = time.perf_counter()
   out = fn()

@@ -43,31 +43,6 @@ COLUMNS = [
 ]
 
 
-class _Device:
-
-  def __init__(self, process: int):
-    self.process_index = process
-
-
-class _Sharding:
-  """The boxes of an array split `count` ways along `axis` (None: replicated), one per process."""
-
-  def __init__(self, devices: list, axis: int | None):
-    self.devices, self.axis = devices, axis
-
-  def devices_indices_map(self, shape):
-    if self.axis is None:
-      whole = tuple(slice(None) for _ in shape)
-      return {d: whole for d in self.devices}
-    c = shape[self.axis] // len(self.devices)
-    return {
-        d:
-            tuple(
-                slice(k * c, (k + 1) * c) if a == self.axis else slice(None)
-                for a in range(len(shape))) for k, d in enumerate(self.devices)
-    }
-
-
 class _Leaf:
 
   def __init__(self, shape, sharding):
@@ -100,8 +75,8 @@ def checkpoint(kind: str, processes: int, root: Path) -> tuple[Path, dict]:
   }
   raw = manifest.sealed_json(manifest.build(1, {**files, shardtable.SHARDS: written}, table, meta))
   atomic.write_file_durably(step_dir / layout.MANIFEST, raw)
-  devices = [_Device(k) for k in range(processes)]
-  return root, {n: _Leaf(s, _Sharding(devices, axis(s))) for n, s in tree}
+  devices = [ms.Device(k) for k in range(processes)]
+  return root, {n: _Leaf(s, ms.Sharding(devices, axis(s))) for n, s in tree}
 
 
 def holdings(scenario: str, processes: int) -> list[list[str]]:

@@ -24,6 +24,7 @@ whatever process count and mesh wrote the checkpoint (`boxrestore`).
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import math
@@ -230,27 +231,63 @@ def refuse_process_local(leaves: Mapping[str, Any]) -> None:
 tensor_name = shardgrid.tensor_name
 
 
+@functools.lru_cache(maxsize=4096)
+def box_holders(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Box, tuple[int, ...]], ...]:
+  """((box, the processes whose devices hold it, ascending), ...) for an array of `shape` laid
+  out by `sharding` over the whole job, each distinct box once. It walks every device of the
+  job: computed once per sharding and shape (the layers of a model share a few), not once per
+  leaf, which at 1000 hosts of 8 devices and a 70B model's 2,891 leaves is 23 million boxes."""
+  boxes: dict[Box, set[int]] = {}
+  for device, index in sharding.devices_indices_map(shape).items():
+    boxes.setdefault(_box(index, shape), set()).add(device.process_index)
+  return tuple((box, tuple(sorted(ks))) for box, ks in boxes.items())
+
+
+@functools.lru_cache(maxsize=4096)
+def _held(sharding: Any, shape: tuple[int, ...], itemsize: int) -> tuple[dict, dict, tuple]:
+  """An array's boxes by who holds them: ({process: the boxes it alone holds}, {process: their
+  bytes}, ((box, its holders), ...) of the boxes several processes hold)."""
+  alone: dict[int, list[Box]] = {}
+  nbytes: dict[int, int] = {}
+  shared = []
+  for box, holders in box_holders(sharding, shape):
+    if len(holders) > 1:
+      shared.append((box, holders))
+      continue
+    alone.setdefault(holders[0], []).append(box)
+    nbytes[holders[0]] = nbytes.get(holders[0], 0) + math.prod(b - a for a, b in box) * itemsize
+  return {k: tuple(v) for k, v in alone.items()}, nbytes, tuple(shared)
+
+
 @functools.lru_cache(maxsize=8)
-def _owners(key, count: int) -> dict[tuple[int, Box], int]:
-  """{(leaf number, box): owning process} for leaves described by `key`: every process computes
-  the same from the shardings alone. Largest shards first, each to its least loaded holder."""
-  items = []
+def _owned(key, count: int, me: int) -> tuple[tuple[int, Box], ...]:
+  """((leaf number, box), ...) of the shards process `me` writes, of leaves described by `key`:
+  every process works out the same from the shardings alone. A box one process holds is its
+  own; one that several hold goes to the least loaded of them, largest first. The work is per
+  distinct layout and per box several processes hold: a fully sharded 70B model on 1024 hosts
+  of 8 devices has 23.7 million shards, each held by one process, and 2,891 leaves in a few
+  layouts."""
+  load = [0] * count
+  shared, layouts = [], collections.Counter()
   for i, (_, shape, itemsize, sharding) in enumerate(key):
     if sharding is None:  # a host value every process has
-      boxes = {tuple((0, n) for n in shape): set(range(count))}
-    else:
-      boxes = {}
-      for device, index in sharding.devices_indices_map(shape).items():
-        boxes.setdefault(_box(index, shape), set()).add(device.process_index)
-    for box, holders in boxes.items():
-      items.append((math.prod(b - a for a, b in box) * itemsize, i, box, sorted(holders)))
-  load = [0] * count
-  owners = {}
-  for nbytes, i, box, holders in sorted(items, key=lambda t: (-t[0], t[1], t[2])):
+      shared.append((math.prod(shape) * itemsize, i, tuple((0, n) for n in shape), range(count)))
+      continue
+    layouts[sharding, shape, itemsize] += 1
+    shared += [(math.prod(b - a
+                          for a, b in box) * itemsize, i, box, holders)
+               for box, holders in _held(sharding, shape, itemsize)[2]]
+  for laid, leaves in layouts.items():
+    for k, nbytes in _held(*laid)[1].items():
+      load[k] += leaves * nbytes
+  mine = [(i, box) for i, (_, shape, itemsize, sharding) in enumerate(key) if sharding is not None
+          for box in _held(sharding, shape, itemsize)[0].get(me, ())]
+  for nbytes, i, box, holders in sorted(shared, key=lambda t: (-t[0], t[1], t[2])):
     owner = min(holders, key=lambda p: (load[p], p))
     load[owner] += nbytes
-    owners[(i, box)] = owner
-  return owners
+    if owner == me:
+      mine.append((i, box))
+  return tuple(mine)
 
 
 def _key(leaves: Mapping[str, Any]) -> tuple:
@@ -271,12 +308,16 @@ def _grid(key) -> shardgrid.Grid | None:
     if sharding is None:  # a host value every process has: one cell
       parts = [1] * len(shape)
     else:
-      parts = shardgrid.parts_of(
-          (_box(i, shape) for i in sharding.devices_indices_map(shape).values()), shape)
+      parts = _parts(sharding, shape)
       if parts is None:
         return None
     arrays.append((name, shape, parts))
   return shardgrid.Grid(arrays)
+
+
+@functools.lru_cache(maxsize=4096)
+def _parts(sharding: Any, shape: tuple[int, ...]) -> list[int] | None:
+  return shardgrid.parts_of((box for box, _ in box_holders(sharding, shape)), shape)
 
 
 def owned_parts(leaves: Mapping[str, Any],
@@ -289,9 +330,7 @@ def owned_parts(leaves: Mapping[str, Any],
   key = _key(leaves)
   me = jax.process_index() if of is None else of
   parts, places = {}, {}
-  for (i, box), owner in _owners(key, jax.process_count()).items():
-    if owner != me:
-      continue
+  for i, box in _owned(key, jax.process_count(), me):
     name, x = key[i][0], (moved or leaves)[key[i][0]]
     shape = tuple(np.shape(x))
     if isinstance(x, jax.Array):
@@ -333,24 +372,36 @@ def needed_shards(shards: shardtable.Table,
                   *,
                   local: bool = False) -> list[dict[str, dict[str, dict]]]:
   """For each of `count` processes, {state file: {tensor: its shard (the table's row, with its
-  'array')}} of the shards its devices hold of `want`, as `needed_files`. Each distinct box is
-  looked up once, however many devices hold it (a replicated array: once)."""
-  out: list[dict[str, dict[str, dict]]] = [{} for _ in range(count)]
+  'array')}} of the shards its devices hold of `want`, as `needed_files`. Read only: processes
+  that need the same shards (every process, in a data-parallel job) share one dict, built once,
+  so the work grows with the distinct boxes, not with the processes times the shards."""
+  groups: dict[tuple[int, ...], dict[str, dict[str, dict]]] = {}  # processes: what they need
   for name, x in want.items():
     if name not in shards:
       continue
     shape = tuple(x.shape)
-    by_device = x.sharding.addressable_devices_indices_map if local else \
-        x.sharding.devices_indices_map
-    indices = by_device(shape)
-    boxes: dict[Box, set[int]] = {}
-    for device, index in indices.items():
-      boxes.setdefault(_box(index, shape), set()).add(device.process_index)
-    for box, processes in boxes.items():
+    if local:
+      boxes: dict[Box, set[int]] = {}
+      for device, index in x.sharding.addressable_devices_indices_map(shape).items():
+        boxes.setdefault(_box(index, shape), set()).add(device.process_index)
+      holders = [(box, tuple(sorted(ks))) for box, ks in boxes.items()]
+    else:
+      holders = box_holders(x.sharding, shape)
+    for box, processes in holders:
+      need = groups.setdefault(processes, {})
       for s in shards.overlapping(name, box):
-        row = {**s, 'array': name}  # one row however many processes need it (read, not changed)
-        for k in processes:
-          out[k].setdefault(s['file'], {})[s['tensor']] = row
+        need.setdefault(s['file'], {})[s['tensor']] = {**s, 'array': name}
+  member: list[list[dict]] = [[] for _ in range(count)]
+  for processes, need in groups.items():
+    for k in processes:
+      member[k].append(need)
+  out = []
+  for needs in member:  # a process in one group shares its dict; one in several, merged
+    merged = needs[0] if len(needs) == 1 else {}
+    for need in needs if len(needs) > 1 else ():
+      for rel, tensors in need.items():
+        merged.setdefault(rel, {}).update(tensors)
+    out.append(merged)
   return out
 
 

@@ -21,7 +21,6 @@ the whole part, several receivers at once.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -91,19 +90,21 @@ def build(ckpt_dir: Path, step: int, intact: list[list[str]], target: Any, count
     full = {keep, *(holders_of(keep, count, replicas) if keep == own else ())}
     # Those that get the same tensors are listed once with them; so are those that get the whole
     # part, when there are several (tensors None): it goes to them all at once.
-    groups: dict[str, list] = {'null': [[], None]}
+    groups: dict[Any, list] = {None: [[], None]}  # by the tensors needed; None: the part
     subsets: dict[tuple[str, ...], list | None] = {}  # by the tensors needed: once each
+    keys: dict[int, tuple[str, ...]] = {}  # processes that need alike share one dict of them
     for k in receivers:
       if k == source:
         continue
-      key = tuple(wanted[k][rel])
+      need = wanted[k][rel]
+      key = keys.get(id(need)) or keys.setdefault(id(need), tuple(sorted(need)))
       if k not in full and key not in subsets:
         subsets[key] = None if len(key) == tensors_in.get(rel) else _subset(
-            wanted[k][rel], dtypes, m['files'][rel]['size'])  # all of them: the part
+            need, dtypes, m['files'][rel]['size'])  # all of them: the part
       tensors = None if k in full else subsets[key]
-      groups.setdefault(json.dumps(tensors), [[], tensors])[0].append(k)
-    if len(groups['null'][0]) < 2:  # one receiver of the whole part: point to point
-      del groups['null']
+      groups.setdefault(None if tensors is None else key, [[], tensors])[0].append(k)
+    if len(groups[None][0]) < 2:  # one receiver of the whole part: point to point
+      del groups[None]
     moves.append([
         rel, source, 0 if holders else 1,
         spans(k for k in receivers if k != source), [[spans(ks), t] for ks, t in groups.values()]
