@@ -179,6 +179,23 @@ def test_removed_while_its_state_file_is_read_is_not_a_raw_error(tmp_path, monke
 
 
 @pytest.mark.parametrize('meanwhile', [None, lambda: None])
+def test_a_device_out_of_memory_while_the_step_is_removed_is_said_as_it_is(
+    tmp_path, monkeypatch, meanwhile):
+  """The read runs out of device memory (a real allocation past it) while retention removes the
+  step: the reader is told of the memory, its own problem, not that the step was removed (taking
+  the newest again would fail the same way)."""
+  step_dir = _saved(tmp_path, STATE)
+
+  def read_state_file(*_, **__):
+    _retire(step_dir)
+    return jnp.zeros((2**45,), jnp.uint8).block_until_ready()  # 32 TiB
+
+  monkeypatch.setattr(reading, 'read_state_file', read_state_file)
+  with pytest.raises(jax.errors.JaxRuntimeError, match='RESOURCE_EXHAUSTED'):
+    _reader_restore(tmp_path, meanwhile=meanwhile)
+
+
+@pytest.mark.parametrize('meanwhile', [None, lambda: None])
 def test_a_step_saved_again_while_it_is_read_is_not_damage(tmp_path, monkeypatch, meanwhile):
   """A writer that went back saves the step again, swapping its new commit in (as `publish_dir`
   does) after the reader took the old manifest: the files it then reads fail the old CRCs."""

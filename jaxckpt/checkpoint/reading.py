@@ -147,12 +147,15 @@ def _unless_removed(step_dir: Path,
   """`read()`, whose failure once `step_dir` is gone, or (given `meta`, the manifest read)
   replaced by another commit, is E-CKPT-010 (whatever the read met: a missing file, a short one,
   a header that vanished, a CRC that no longer matches); a file missing from a checkpoint still
-  there is E-CKPT-003. An ArgumentError (a call that cannot work) is raised as it is."""
+  there is E-CKPT-003. An ArgumentError (a call that cannot work) is raised as it is, and so is
+  a device's or the host's memory running out: the reader's own, whatever became of the step."""
   try:
     return read()
-  except ArgumentError:
+  except (ArgumentError, MemoryError):
     raise
   except Exception as e:  # pylint: disable=broad-except  # told apart by the manifest, below
+    if isinstance(e, jax.errors.JaxRuntimeError) and 'RESOURCE_EXHAUSTED' in str(e):
+      raise
     if (gone := _gone(step_dir, meta)) is not None:
       raise gone from e
     if isinstance(e, FileNotFoundError):
