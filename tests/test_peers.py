@@ -128,7 +128,15 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
       def full(*_):
         raise OSError(errno.ENOSPC, 'No space left on device')
 
-      sends.os = type('os', (), {'__getattr__': lambda _, n: getattr(os, n), 'pwrite': full})()
+      from jaxckpt.checkpoint import diskwork  # where a received file is written
+      diskwork.os = type('os', (), {'__getattr__': lambda _, n: getattr(os, n), 'pwrite': full})()
+  if '-hang' in cmd and process == 2:  # its disk hangs in the first write of what it receives
+    import threading
+
+    from jaxckpt.checkpoint import diskwork
+    diskwork.DISK_WAIT_SECS = 3
+    gate = threading.Event()
+    diskwork.Landing.write = lambda *_: gate.wait(120)
   collectives = {'rounds': 0, 'spreads': 0}  # how the parts moved: counted, then done as ever
   for name, real in (('rounds', sends._round), ('spreads', spreads.spread)):
 
@@ -143,6 +151,9 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
         directory, target, multihost.Group(timeout), remote, replicas=0 if '-r0' in cmd else 1)
   except CheckpointError as e:
     print(f'ERROR {e}', flush=True)
+    if '-hang' in cmd:  # as the trainer does (`exit_within`): not waiting for the stuck thread
+      import os
+      os._exit(3)
     sys.exit(3)
   if got is None:
     print('RESULT null', flush=True)
@@ -381,8 +392,8 @@ def test_a_part_every_other_process_lacks_goes_to_all_of_them_in_one_collective(
           (whole / 'state' / f'process_{k}.safetensors').read_bytes()
 
 
-@pytest.mark.parametrize('cmd', ['restore-r0-enospc', 'restore-dp-enospc'],
-                         ids=['a subset', 'whole parts'])
+@pytest.mark.parametrize(
+    'cmd', ['restore-r0-enospc', 'restore-dp-enospc'], ids=['a subset', 'whole parts'])
 def test_a_receiver_whose_disk_fills_while_a_part_spreads_stops_every_process_together(
     tmp_path, compile_cache, s3_server, saved_10, cmd):
   """A failed write of one window does not take that process out of the later windows'
@@ -392,10 +403,27 @@ def test_a_receiver_whose_disk_fills_while_a_part_spreads_stops_every_process_to
   shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   url, _ = _uploaded_and_wiped(tmp_path, s3_server)
   for text in _run(tmp_path, compile_cache, cmd, url, '10', code=3):
-    said = re.search(r'E-CKPT-016: the restore of step 10 from the peers failed on '
-                     r'process\(es\) \[([0-9, ]+)\]: (\S+): No space left on device', text)
+    said = re.search(
+        r'E-CKPT-016: the restore of step 10 from the peers failed on '
+        r'process\(es\) \[([0-9, ]+)\]: (\S+): No space left on device', text)
     assert said and '2' in said[1].split(', ') and '/host2/' in said[2], text[-2000:]
   assert not list((tmp_path / 'host2').rglob('*.peer-tmp'))  # nothing half-received left
+
+
+def test_a_receiver_whose_disk_hangs_stops_every_process_together_naming_it(
+    tmp_path, compile_cache, s3_server, saved_10):
+  """Process 2's disk hangs in a write of a part it receives: after a bounded wait it gives
+  that disk up, takes part in every window to the end touching the disk no more, and every
+  process stops with E-CKPT-023 naming the hang (not E-CKPT-016, after which the trainer has
+  every host download: that host would hang there)."""
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  url, _ = _uploaded_and_wiped(tmp_path, s3_server)
+  for text in _run(tmp_path, compile_cache, 'restore-dp-hang', url, '10', code=3):
+    said = re.search(
+        r'E-CKPT-023: the restore of step 10 from the peers stopped: a disk hung on '
+        r'process\(es\) \[2\]: writing (\S+): not done after a wait of 3 s \(thread '
+        r'jaxckpt-receive\); a hung disk\?', text)
+    assert said and '/host2/' in said[1] and said[1].endswith('.peer-tmp'), text[-2000:]
 
 
 def test_the_others_wait_for_a_slow_read_of_the_remote_past_the_groups_timeout(

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from jaxckpt.checkpoint import CheckpointError, sends, statefile
+from jaxckpt.checkpoint import CheckpointError, diskwork, sends, statefile
 
 
 @pytest.fixture
@@ -160,7 +160,7 @@ def test_a_broadcast_hands_each_window_on_intact_however_slowly_it_is_written(mo
     time.sleep(0.005)  # a slow disk: the reader runs windows ahead of it
     kept.append((lo, window.tobytes()))
 
-  with sends.Disk() as disk:
+  with diskwork.Disk() as disk:
     assert spreads._broadcast(len(data), fill, True, keep, disk) is None
   assert [lo for lo, _ in kept] == list(range(0, len(data), 4096))
   assert b''.join(w for _, w in kept) == data
@@ -169,7 +169,7 @@ def test_a_broadcast_hands_each_window_on_intact_however_slowly_it_is_written(mo
 @pytest.fixture
 def hung(monkeypatch):
   """A disk that hangs: what waits on it blocks until the test ends (then it is let go)."""
-  monkeypatch.setattr(sends, 'DISK_WAIT_SECS', 0.5)
+  monkeypatch.setattr(diskwork, 'DISK_WAIT_SECS', 0.5)
   gate = threading.Event()
 
   def hang(*_):
@@ -211,7 +211,7 @@ def test_a_broadcast_whose_disk_hangs_names_it_and_still_takes_every_window(
     kept.append((lo, window.tobytes()))
 
   started = time.monotonic()
-  with sends.Disk() as disk:
+  with diskwork.Disk() as disk:
     problem = spreads._broadcast(
         len(data), fill, True, keep, disk, 'reading /disk/part', 'writing /disk/part.tmp')
   assert time.monotonic() - started < 30
@@ -230,42 +230,85 @@ def test_a_task_that_times_out_itself_is_its_own_error_not_a_hang():
   def fill(view, lo):
     raise TimeoutError(errno.ETIMEDOUT, 'Connection timed out', '/nfs/part')
 
-  with sends.Disk() as disk:
+  with diskwork.Disk() as disk:
     problem = spreads._broadcast(100_000, fill, True, lambda *_: None, disk)
   assert problem == "[Errno 110] Connection timed out: '/nfs/part'" and disk.stuck is None
 
 
+@pytest.fixture
+def syscalls(monkeypatch):
+  """The disk calls made (open, close, fsync, unlink, mkdir, rename) and the collectives run."""
+  made = []
+  for name in ('open', 'close', 'fsync', 'unlink', 'mkdir', 'replace', 'rename'):
+    real = getattr(os, name)
+    monkeypatch.setattr(
+        os, name, lambda *a, real=real, name=name, **kw: made.append(name) or real(*a, **kw))
+  from jax.experimental import multihost_utils
+  moves, real_move = [], sends._move
+  monkeypatch.setattr(sends, '_move', lambda *a: moves.append(1) or real_move(*a))
+  real_bcast = multihost_utils.broadcast_one_to_all
+  monkeypatch.setattr(multihost_utils, 'broadcast_one_to_all',
+                      lambda x, is_source: moves.append(1) or real_bcast(x, is_source=is_source))
+  return made, moves
+
+
+@pytest.mark.parametrize('where', ['round', 'spread'])
 def test_a_received_file_whose_write_hangs_is_named_and_its_disk_touched_no_more(
-    part, hung, monkeypatch, tmp_path):
-  """Point to point (one process sending to itself): the write of a window never returns. The
-  round ends and names the file it was writing; the file in place is as it was, and the
-  temporary one is left for the next restart (a syscall on a hung disk would hang too), open.
-  The next sends on that disk open nothing and send zeros."""
+    part, hung, monkeypatch, tmp_path, syscalls, where):
+  """Point to point (one process sending to itself) or to all at once: the write of a window
+  never returns. The collectives go on to the end and the hang is named; the file in place is as
+  it was, and the temporary one is left for the next restart, open (a call on a hung disk would
+  hang too). The next sends on that disk make no disk call at all, and still take every
+  window."""
+  from jaxckpt.checkpoint import spreads
   path, _, _ = part
   before = path.read_bytes()
   monkeypatch.setattr(sends, 'WINDOW', 4096)
-  monkeypatch.setattr(sends.Landing, 'write', lambda *_: hung())
-  closed = []
-  real_close = os.close
-  monkeypatch.setattr(os, 'close', lambda fd: closed.append(fd) or real_close(fd))
+  monkeypatch.setattr(sends, 'SMALL', 1024)  # the part goes in windows of 4096 either way
+  monkeypatch.setattr(diskwork.Landing, 'write', lambda *_: hung())
+  made, moves = syscalls
   entry = {'size': len(before), 'crc32': f'{zlib.crc32(before):08x}'}
-  opened = []
-
-  def path_of(rel):
-    opened.append(rel)
-    return path.parent / rel
-
-  tmp = path.with_name(path.name + sends.layout.PEER_TMP)
-  with sends.Disk() as disk:
-    received, problem = sends.carry([(path.name, 0, 0)], {path.name: entry}, 0, path_of, disk=disk)
-    line = hung_line(f'writing {tmp}', 'jaxckpt-receive')
-    assert (received, problem) == (0, line) and disk.stuck == line
-    assert path.read_bytes() == before and tmp.exists()
-    assert closed == [] and opened == [path.name, path.name]  # no file closed under it
-    # Another carry, and a spread, with the same disk: nothing opened, the same line.
+  into = path if where == 'round' else tmp_path / 'into' / path.name
+  into.parent.mkdir(exist_ok=True)
+  tmp = into.with_name(into.name + sends.layout.PEER_TMP)
+  line = hung_line(f'writing {tmp}', 'jaxckpt-receive')
+  windows = -(-len(before) // 4096)
+  with diskwork.Disk() as disk:
+    if where == 'round':
+      got = sends.carry([(path.name, 0, 0)], {path.name: entry},
+                        0,
+                        lambda rel: path.parent / rel,
+                        disk=disk)
+    else:
+      got = spreads.spread(path, None, into, entry, disk)
+    assert got == (0, line) and disk.stuck == line and len(moves) == windows
+    assert path.read_bytes() == before and tmp.exists() and not (into != path and into.exists())
+    assert 'close' not in made and 'unlink' not in made and 'replace' not in made
+    # Another carry, a spread and a broadcast with the same disk: no disk call, every window.
+    made.clear()
+    moves.clear()
     other = tmp_path / 'other'
-    assert sends.carry([(path.name, 0, 0)], {path.name: entry}, 0, path_of, disk=disk) == (0, line)
-    from jaxckpt.checkpoint import spreads
+    assert sends.carry([(path.name, 0, 0)], {path.name: entry},
+                       0,
+                       lambda rel: path.parent / rel,
+                       disk=disk) == (0, line)
     assert spreads.spread(path, None, other, entry, disk) == (0, line)
     assert spreads.broadcast(path, 100, True, disk) == (b'', line)
-    assert opened == [path.name, path.name] and not other.exists() and closed == []
+    assert made == [] and len(moves) == 2 * windows + 1
+  assert not other.exists() and not other.with_name('other' + sends.layout.PEER_TMP).exists()
+
+
+def test_a_path_that_cannot_be_found_is_said_and_every_window_still_goes(part, syscalls):
+  """A part's path that fails on one process (a link out of the checkpoint): that process says
+  so and takes part in every window, sending zeros, rather than leaving the others waiting."""
+  path, _, _ = part
+  _, moves = syscalls
+  entry = {'size': path.stat().st_size, 'crc32': '00000000'}
+
+  def path_of(rel):
+    raise CheckpointError('E-CKPT-005', f'{rel}: a link that leads out of it', 'do not load it')
+
+  with diskwork.Disk() as disk:
+    got = sends.carry([(path.name, 0, 0)], {path.name: entry}, 0, path_of, disk=disk)
+  assert got == (0, f'E-CKPT-005: {path.name}: a link that leads out of it; do not load it')
+  assert len(moves) == -(-entry['size'] // sends.WINDOW)

@@ -5,8 +5,9 @@
 
 Each shard of the state (one distinct index of a global array) is written once in the whole job,
 by one of the processes that hold it: every process computes the same assignment from the
-shardings alone, largest shards first, each to its least loaded holder, so replicated arrays are
-spread over the processes instead of all landing on process 0. A tensor in a process's file is
+shardings alone. A shard one process holds is its own; one that several hold goes to the least
+loaded of them, largest first, so replicated arrays are spread over the processes instead of all
+landing on process 0. A tensor in a process's file is
 named after its array, with its place when it is a part of it (`params/wte/embedding[0:128,0:64]`);
 the file's `__metadata__` (`shard/<tensor>`) and the checkpoint's shard table (`shardtable`)
 record the array, the start in the global shape and the CRC-32 of each.
@@ -316,8 +317,9 @@ def _grid(key) -> shardgrid.Grid | None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _parts(sharding: Any, shape: tuple[int, ...]) -> list[int] | None:
-  return shardgrid.parts_of((box for box, _ in box_holders(sharding, shape)), shape)
+def _parts(sharding: Any, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+  parts = shardgrid.parts_of((box for box, _ in box_holders(sharding, shape)), shape)
+  return None if parts is None else tuple(parts)
 
 
 def owned_parts(leaves: Mapping[str, Any],

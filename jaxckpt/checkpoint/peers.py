@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from . import atomic, checksum, holdings, layout, manifest, multihost, peerplan, sends, spreads
+from .diskwork import HUNG, MISMATCH, WRITER, Disk, Stuck
 from .holdings import META, held, tidy
 from .errors import CheckpointError
 
@@ -214,13 +215,13 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
   then the commit of a step directory that was not here. A local failure (a full disk, a store
   error, a part that arrives damaged) does not take a process out of the collectives: it takes
   part in all of them, then every process raises E-CKPT-016 together, naming it. A disk that
-  hangs in a send is touched no more, by any thread (`sends.Disk`)."""
-  with sends.Disk() as disk:
+  hangs is touched no more, by any thread (`diskwork.Disk`)."""
+  with Disk() as disk:
     return _carry_on(ckpt_dir, plan, mine, group, remote, disk)
 
 
 def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: multihost.Group,
-              remote: Remote | None, disk: sends.Disk) -> Restored:
+              remote: Remote | None, disk: Disk) -> Restored:
   me, step = group.index, plan['step']
   final = ckpt_dir / layout.step_dirname(step)
   have = me == 0 or bool(mine) or manifest.seal_of(_read(final / layout.MANIFEST)) == plan['seal']
@@ -228,22 +229,26 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
   sources = {'own': 0, 'peers': 0, 'remote': 0}
   problems: list[str] = []
 
-  def local(fn: Callable[[], Any]) -> Any:
+  def local(fn: Callable[[], Any], what: str | None = None) -> Any:
+    """`fn()` unless a problem came first, its failure kept; `what`: disk work, done on the
+    disk's thread and bounded (`diskwork.Disk`), named so should it hang."""
     if problems or disk.stuck:
       problems.extend([disk.stuck] if disk.stuck and not problems else [])
       return None
     try:
-      return fn()
+      return fn() if what is None else disk.run(WRITER, what, fn)
+    except Stuck as e:
+      problems.append(str(e))
     except Exception as e:  # noqa: BLE001 - said to every process below, then raised
       problems.append(f'{type(e).__name__}: {" ".join(str(e).split())[:300]}')
-      return None
+    return None
 
   def gate(name: str, what: str, timeout_secs: float | None = None) -> None:
     """Every process here before the collectives that follow: a bounded wait, naming who is
     not, where a collective has no timeout of its own."""
     group.collect(f'peers/{name}/{step}', what, '', timeout_secs=timeout_secs, fix=AGAIN)
 
-  local(lambda: (work / layout.STATE_DIR).mkdir(parents=True, exist_ok=True))
+  local(lambda: (work / layout.STATE_DIR).mkdir(parents=True, exist_ok=True), f'making {work}')
   raw = b''
   meta_to = peerplan.members(plan['meta_to'])
   if meta_to:
@@ -255,7 +260,9 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
     if name == layout.MANIFEST:
       raw = got or b''
     elif got is not None:  # checked against the manifest before it goes into a step directory
-      local(lambda got=got, name=name: _write_own(work / name, got, plan['own'][name], step))
+      local(
+          lambda got=got, name=name: _write_own(work / name, got, plan['own'][name], step),
+          f'writing {work / name}')
   moves = peerplan.moves_of(plan)
   reads = [rel for rel, k in moves.reads.items() if k == me]
   load: dict[int, int] = {}  # the bytes each process reads from the remote, which the rest wait for
@@ -273,7 +280,7 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
   sources['peers'] = got
   problems += [problem] if problem else []
   for rel, source, group_of, tensors in moves.spreads:  # every process, whatever failed here
-    path = local(lambda rel=rel: layout.safe_member(work, rel)) if me == source or \
+    path = local(lambda rel=rel: layout.safe_member(work, rel), f'finding {rel}') if me == source or \
         me in group_of else None
     got, problem = spreads.spread(path if me == source else None, tensors,
                                   path if me in group_of else None, plan['files'][rel], disk)
@@ -281,9 +288,9 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
     problems += [problem] if problem else []
   sources['own'] = plan['held'][me]
   if not have:
-    local(lambda: _commit(work, final, raw, plan['seal'], step))
+    local(lambda: _commit(work, final, raw, plan['seal'], step), f'committing {final}')
   else:
-    local(lambda: atomic.fsync_dir(final / layout.STATE_DIR))
+    local(lambda: atomic.fsync_dir(final / layout.STATE_DIR), f'syncing {final / layout.STATE_DIR}')
   said = group.sync(
       f'peers/done/{step}', f'a restore of step {step} from the peers', _cause(problems), fix=AGAIN)
   failed = [(k, p) for k, p in enumerate(said) if p]
@@ -292,6 +299,13 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
     if not have and not disk.stuck:  # a hung disk: the next restart removes it
       import shutil  # pylint: disable=import-outside-toplevel
       shutil.rmtree(work, ignore_errors=True)
+    hung = [(k, p) for k, p in failed if HUNG in p]
+    if hung:  # no falling back to a download: that host would hang in it
+      raise CheckpointError(
+          'E-CKPT-023', f'the restore of step {step} from the peers stopped: a disk hung on '
+          f'process(es) {[k for k, _ in hung]}: {hung[0][1]}', 'check the disk of that host (a '
+          'hung mount; its own process exits without the stuck thread), then start every '
+          'process again')
     raise CheckpointError(
         'E-CKPT-016', f'the restore of step {step} from the peers failed on process(es) '
         f'{[k for k, _ in failed]}: {cause}', 'fix that host (its disk, its access to '
@@ -301,8 +315,8 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
 
 def _cause(problems: list[str]) -> str:
   """The problem that says why: a sender's own (its disk, the remote) before a receiver's failed
-  check of what it was sent (`sends.MISMATCH`), which follows from it; '' for none."""
-  return next((p for p in problems if sends.MISMATCH not in p), problems[0] if problems else '')
+  check of what it was sent (`MISMATCH`), which follows from it; '' for none."""
+  return next((p for p in problems if MISMATCH not in p), problems[0] if problems else '')
 
 
 def _write_own(path: Path, got: bytes, want: Mapping[str, Any], step: int) -> None:
@@ -311,7 +325,7 @@ def _write_own(path: Path, got: bytes, want: Mapping[str, Any], step: int) -> No
   crc = f'{checksum.crc32(got):08x}'
   if (len(got), crc) != (want['size'], want['crc32']):
     raise CheckpointError(
-        'E-CKPT-003', f'{path.name} of step {step}: {sends.MISMATCH} its manifest (size '
+        'E-CKPT-003', f'{path.name} of step {step}: {MISMATCH} its manifest (size '
         f'{len(got)}, crc32 {crc}; its manifest says {want["size"]}, {want["crc32"]})',
         'restart the job')
   atomic.write_file_durably(path, got)
@@ -321,14 +335,14 @@ def _commit(work: Path, final: Path, raw: bytes, seal: str, step: int) -> None:
   """A step directory built here (`work`) committed as `final`, its manifest (`raw`) last; where
   `final` is another commit of the step, swapped with it in one exchange, manifest included."""
   if manifest.seal_of(raw) != seal:
-    raise CheckpointError(
-        'E-CKPT-003', f'the manifest of step {step} sent by process 0: {sends.MISMATCH} its '
-        'seal', 'restart the job')
+    raise CheckpointError('E-CKPT-003',
+                          f'the manifest of step {step} sent by process 0: {MISMATCH} its '
+                          'seal', 'restart the job')
   m = manifest.parse(work, raw)  # what came with it (the run state, the shard table) matches it
   bad = manifest.file_problems(work,
                                {**m, 'files': {r: m['files'][r] for r in holdings.own_files(m)}})
   if bad:
-    raise CheckpointError('E-CKPT-003', f'step {step}: {sends.MISMATCH} its manifest: {bad[0]}',
+    raise CheckpointError('E-CKPT-003', f'step {step}: {MISMATCH} its manifest: {bad[0]}',
                           'restart the job')
   atomic.fsync_dir(work / layout.STATE_DIR)
   if final.exists():

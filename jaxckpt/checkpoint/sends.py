@@ -19,21 +19,19 @@ What several processes need alike goes to them all at once (`spreads`), with the
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import contextlib
-import errno
 import functools
 import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from . import layout, statefile
 from .checksum import crc32, crc32_combine
 from .directio import aligned_empty, pread_into
+from .diskwork import READER, WRITER, Disk, Landing, Stuck, Task
 from .errors import CheckpointError
 
 # Bytes per process per collective. On CPU (gloo over loopback, 2 cores), `carry` of 700 MiB
@@ -43,13 +41,6 @@ from .errors import CheckpointError
 # back from the heap instead of each being a fresh mapping whose every page faults in.
 WINDOW = 8 << 20
 SMALL = 64 << 10  # the window of small files (a manifest, the run state)
-MISMATCH = 'what was received does not match'  # a receiver's check, failed: its sender's doing?
-# A window's read (or write) not done after this is stuck (a hung disk or mount): its process
-# touches that disk no more, sends zeros to the end of the windows and names the file, so the
-# job stops with one line, not every process waiting in a collective. The stuck thread is left
-# behind (the trainer's process exits without it: `cli.parser.exit_within`).
-DISK_WAIT_SECS = 120.0
-READER, WRITER = 'jaxckpt-send', 'jaxckpt-receive'  # `Disk`'s threads
 Pair = tuple[str, int, int]  # (file, the process that sends it, the process that receives it)
 Tensors = list  # a subset: [[tensor, safetensors dtype code, shape, crc32], ...]
 
@@ -116,16 +107,19 @@ def carry(pairs: list[Pair],
     into = [rel for rel, _, dst in round_ if dst == me]
     size = max(specs[rel, dst]['size'] for rel, _, dst in round_)
     perm = tuple(sorted((src, dst) for _, src, dst in round_))
+    # Each path is found on the disk's thread (a hung disk: nothing more opened, zeros sent).
+    found: list[str] = []
     source = target = None
-    if out and not disk.stuck:  # a hung disk: nothing more opened, zeros sent
-      source = (path_of(out[0][0]), subsets.get(out[0]), specs[out[0]]['size'])
-    if into and not disk.stuck:
-      path = path_of(into[0])
+    at = disk.kept(found, READER, f'finding {out[0][0]}', path_of, out[0][0]) if out else None
+    if at is not None:
+      source = (at, subsets.get(out[0]), specs[out[0]]['size'])
+    path = disk.kept(found, WRITER, f'finding {into[0]}', path_of, into[0]) if into else None
+    if path is not None:
       target = (layout.subset_of(path) if (into[0], me) in subsets else path, specs[into[0], me])
     failed = _round(perm, size, source, target, bufs, disk)
     if target and not failed and target[0] != path:  # a subset
-      failed = subset_in(path)
-    problem = problem or failed or disk.stuck
+      failed = disk.kept(found, WRITER, f'removing {path}', subset_in, path)
+    problem = problem or (found[0] if found else None) or failed or disk.stuck
     received += target[1]['size'] if target and not failed else 0
   return received, problem
 
@@ -236,8 +230,7 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
   count = -(-size // WINDOW)
   zeros = np.zeros(WINDOW, np.uint8)
   problems: list[str] = [disk.stuck] if disk.stuck else []
-  fin = None
-  segments: list = []
+  fin, segments = None, []
 
   def read(i: int) -> np.ndarray:
     buf, want = bufs[i % 2], max(0, min(WINDOW, source[2] - i * WINDOW))
@@ -256,14 +249,10 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
       problems.append(str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}')
     return None
 
-  try:
-    fin = os.open(source[0], os.O_RDONLY) if source is not None else None
-    segments = segments_of(source[0], fin, source[1], source[2]) if source is not None else []
-  except OSError as e:
-    problems.append(f'{e.filename}: {e.strerror or e}')
-  except CheckpointError as e:
-    problems.append(e.line())
-  landing = Landing(into[0] if into else None, into[1]['size'] if into else 0, problems)
+  if source is not None:
+    fin, segments = disk.kept(problems, READER, f'opening {source[0]}', opened, *
+                              source) or (None, [])
+  landing = landed(disk, into[0] if into else None, into[1]['size'] if into else 0, problems)
   reading, writing = f'reading {source[0] if source else ""}', f'writing {landing.tmp}'
   sending = fin is not None and not problems
   ahead = disk.submit(READER, reading, read, 0) if sending else None
@@ -281,131 +270,41 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
       said(writes.popleft())
   for w in writes:
     said(w)
-  landing.left = disk.stuck is not None
+  if fin is not None:  # a hung disk's file is left open
+    disk.kept(problems, READER, f'closing {source[0]}', os.close, fin)
+  return finished(disk, landing, into[1]['crc32'] if into else '', 'its manifest')
+
+
+def opened(path: Path, tensors: Tensors | None, size: int) -> tuple[int, list]:
+  """(an open descriptor of `path`, the segments of it a sender sends: `segments_of`)."""
+  fd = os.open(path, os.O_RDONLY)
   try:
-    if fin is not None and not disk.stuck:  # a hung disk's file is left open
-      os.close(fin)
-  except OSError as e:
-    problems.append(f'{e.filename}: {e.strerror or e}')
-  return landing.finish(into[1]['crc32'] if into else '', 'its manifest')
+    return fd, segments_of(path, fd, tensors, size)
+  except BaseException:
+    os.close(fd)
+    raise
 
 
-class Stuck(OSError):
-  """A disk task not done after DISK_WAIT_SECS (`Disk`): its message names what and the thread."""
+def landed(disk: Disk, path: Path | None, size: int, problems: list[str]) -> Landing:
+  """The `Landing` of a file received at `path`, opened on `disk`'s writer (a hung disk: one that
+  receives nothing, its problem said)."""
+  if path is None:
+    return Landing(None, 0, problems)
+  tmp = path.with_name(path.name + layout.PEER_TMP)
+  landing = disk.kept(problems, WRITER, f'opening {tmp}', Landing, path, size, problems)
+  return landing if landing is not None else Landing(None, 0, problems)
 
 
-class Task(NamedTuple):
-  future: concurrent.futures.Future
-  thread: str
-  what: str
-
-
-class Disk:
-  """One process's disk work beside the collectives of a restore from the peers (the windows
-  read ahead of each collective, and written behind it), a thread for each kind, as a context.
-  `result` waits for a task at most DISK_WAIT_SECS: one not done then is stuck, a hung disk or
-  mount, and so is this process's disk from then on (`stuck` names what hung): no task runs on
-  it, its callers do no more disk work on their own thread either (it would hang there, every
-  other process waiting in the next collective) and send zeros to the last window, and leaving
-  does not wait for the threads."""
-
-  def __init__(self):
-    self.stuck: str | None = None
-    self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-
-  def __enter__(self) -> Disk:
-    return self
-
-  def __exit__(self, failed, *_) -> None:
-    for pool in self._pools.values():
-      pool.shutdown(wait=self.stuck is None and failed is None, cancel_futures=True)
-
-  def submit(self, thread: str, what: str, fn: Callable, *args) -> Task | None:
-    """`fn(*args)` on the thread named `thread`, `what` naming it should it hang; None once the
-    disk is stuck."""
-    if self.stuck is not None:
-      return None
-    if thread not in self._pools:
-      self._pools[thread] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread)
-    return Task(self._pools[thread].submit(fn, *args), thread, what)
-
-  def result(self, task: Task) -> Any:
-    """`task`'s result (or its exception), once done; Stuck if it is not within DISK_WAIT_SECS
-    (none at all, once the disk is stuck)."""
-    done, _ = concurrent.futures.wait([task.future],
-                                      timeout=0 if self.stuck is not None else DISK_WAIT_SECS)
-    if not done:
-      task.future.cancel()
-      self.stuck = self.stuck or (f'{task.what}: not done after a wait of {DISK_WAIT_SECS:g} s '
-                                  f'(thread {task.thread}); a hung disk?')
-      raise Stuck(self.stuck)
-    return task.future.result()
-
-
-class Landing:
-  """A file received window by window (`write(offset, bytes)`, the writes in order): under a
-  temporary name beside `path` (None: this process receives nothing), its CRC-32 computed as it
-  comes; `finish` fsyncs it and renames it in only when it is `size` bytes of the CRC-32 it
-  should have and no problem was met, else removes it. Problems go to `problems`, shared with
-  the caller: a receiver that fails goes on taking part in every window."""
-
-  def __init__(self, path: Path | None, size: int, problems: list[str]):
-    self.path, self.size, self.problems = path, size, problems
-    self.tmp = None if path is None else path.with_name(path.name + layout.PEER_TMP)
-    self.crc = self.wrote = 0
-    self.fd = None
-    # The disk hung (`Disk`): the file is left as it is, open, its temporary name removed at
-    # the next restart (`holdings.tidy`): a stuck write may hold it, and a syscall would hang.
-    self.left = False
-    try:
-      self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT
-                        | os.O_TRUNC, 0o644) if self.tmp else None
-    except OSError as e:
-      problems.append(f'{e.filename}: {e.strerror or e}')
-
-  @property
-  def open(self) -> bool:
-    return self.fd is not None
-
-  def write(self, offset: int, data: np.ndarray) -> None:
-    view = memoryview(data)[:max(0, min(len(data), self.size - offset))]
-    done = 0
-    while done < len(view):  # a write cut short (a disk nearly full) goes on, or raises
-      n = os.pwrite(self.fd, view[done:], offset + done)
-      if n <= 0:
-        raise OSError(errno.ENOSPC, f'{self.tmp}: a write at {offset + done} wrote nothing')
-      done += n
-    self.crc, self.wrote = crc32(view, self.crc), self.wrote + done
-
-  def finish(self, crc: str, against: str) -> str | None:
-    """After the collectives: the problem (the first one met), or None with the file in. It
-    never raises: a process that did would leave the others in the next collective."""
-    if self.left:
-      return self.problems[0] if self.problems else f'{self.tmp}: left on a hung disk'
-    try:
-      try:
-        if self.fd is not None and not self.problems:
-          os.fsync(self.fd)
-      finally:
-        if self.fd is not None:
-          os.close(self.fd)
-      if self.path is None or self.problems:
-        self._drop()
-        return self.problems[0] if self.problems else None
-      if f'{self.crc:08x}' != crc or self.wrote != self.size:
-        self._drop()
-        return (f'{self.path}: {MISMATCH} {against} ({self.wrote} bytes, crc32 {self.crc:08x}; '
-                f'{against} says {self.size}, {crc})')
-      os.replace(self.tmp, self.path)
-      return None
-    except OSError as e:
-      self._drop()  # a failed fsync or rename leaves nothing half in
-      return self.problems[0] if self.problems else f'{e.filename or self.tmp}: {e.strerror or e}'
-
-  def _drop(self) -> None:
-    if self.tmp is not None:
-      with contextlib.suppress(OSError):  # a disk gone read-only: the next restart removes it
-        self.tmp.unlink(missing_ok=True)
+def finished(disk: Disk, landing: Landing, crc: str, against: str) -> str | None:
+  """`landing.finish` on `disk`'s writer (its fsync and rename), bounded; with the disk stuck,
+  the file is left as it is and the problem said."""
+  if disk.stuck is None:
+    problem = disk.kept(landing.problems, WRITER, f'syncing {landing.tmp}', landing.finish, crc,
+                        against)
+    if disk.stuck is None:
+      return problem
+  landing.left = True
+  return landing.finish(crc, against)
 
 
 def subset_in(path: Path) -> str | None:
@@ -419,7 +318,6 @@ def subset_in(path: Path) -> str | None:
 
 
 __all__ = [
-    'DISK_WAIT_SECS', 'MISMATCH', 'READER', 'SMALL', 'WINDOW', 'WRITER', 'Disk', 'Landing', 'Stuck',
-    'carry', 'fill_window', 'rounds', 'segments_of', 'subset_header', 'subset_in', 'subset_spec',
-    'tensor_bytes'
+    'SMALL', 'WINDOW', 'carry', 'finished', 'landed', 'opened', 'fill_window', 'rounds',
+    'segments_of', 'subset_header', 'subset_in', 'subset_spec', 'tensor_bytes'
 ]

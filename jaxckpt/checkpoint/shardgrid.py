@@ -223,19 +223,17 @@ class Table(abc.Mapping):
     if self.cells.size and int(self.cells['process'].max()) >= len(files):
       raise damaged(f'a cell of a process beyond the {len(files)} files')
     self.files, self.shapes = files, shapes
-    self._rows: tuple[list[int], list[int]] | None = None  # each cell's (process, crc32)
 
   def overlapping(self, array: str, box: Box) -> list[dict]:
     """The rows of the cells of `array` that overlap `box`."""
     if array not in self.grid:
       return []
     shape = self.shapes[array]
-    if self._rows is None:  # Python's ints, read once: a numpy record per cell is slow
-      self._rows = (self.cells['process'].tolist(), self.cells['crc32'].tolist())
-    processes, crcs = self._rows
+    cells = list(self.grid.cells(array, box))
+    at = [number for number, _ in cells]  # read at once: a numpy record per cell is slow
+    processes, crcs = self.cells['process'][at].tolist(), self.cells['crc32'][at].tolist()
     out = []
-    for number, cell in self.grid.cells(array, box):
-      process, crc = processes[number], crcs[number]
+    for (_, cell), process, crc in zip(cells, processes, crcs):
       out.append({
           'file': self.files[process], 'tensor': tensor_name(array, cell, shape),
           'start': [a for a, _ in cell], 'shape': [b - a for a, b in cell], 'crc32': f'{crc:08x}'

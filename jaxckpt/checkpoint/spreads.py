@@ -7,7 +7,7 @@ few replicated tensors of a fully sharded one (a subset, `sends.subset_spec`). E
 one `multihost_utils.broadcast_one_to_all` (a sum over the processes, compiled once for its
 shape), where point-to-point rounds (`sends.carry`) would take a round per receiver, each a
 collective compiled for its own pairs. The sender reads the next window while one is in the
-collective, and the receivers write each behind it (`sends.Landing`: checked, fsynced, renamed
+collective, and the receivers write each behind it (`diskwork.Landing`: checked, fsynced, renamed
 in).
 """
 
@@ -21,26 +21,26 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from . import layout, sends
+from .diskwork import READER, WRITER, Disk, Task
 from .errors import CheckpointError
 
 
 def broadcast(source: Path | None,
               size: int,
               receive: bool,
-              disk: sends.Disk | None = None) -> tuple[bytes | None, str | None]:
+              disk: Disk | None = None) -> tuple[bytes | None, str | None]:
   """A small file from the process that reads it from `source` to every process (a JAX
   collective, in windows): (its bytes for a receiver, else None; this process's problem or
   None). A source that cannot read sends zeros to the end (the others' CRC checks fail) and says
-  why. Every process calls it with the same `size`. `disk`: the restore's (`sends.Disk`), else
-  one of its own."""
+  why. Every process calls it with the same `size`. `disk`: the restore's (`diskwork.Disk`),
+  else one of its own."""
   if disk is None:
-    with sends.Disk() as disk:
+    with Disk() as disk:
       return broadcast(source, size, receive, disk)
-  got, problem = [], disk.stuck
-  try:  # a hung disk (`disk.stuck`): nothing more opened, zeros sent
-    fin = open(source, 'rb') if source is not None and not problem else None  # pylint: disable=consider-using-with
-  except OSError as e:
-    fin, problem = None, f'{source}: {e.strerror or e}'
+  got, problems = [], []
+  # pylint: disable-next=consider-using-with
+  fin = disk.kept(problems, READER, f'opening {source}', open, source,
+                  'rb') if source is not None else None
 
   def fill(view: memoryview, _: int) -> None:
     try:
@@ -50,14 +50,12 @@ def broadcast(source: Path | None,
     if n != len(view):
       raise OSError(f'{source} ends early')
 
-  try:
-    sent = _broadcast(size, fill if fin is not None else None, source is not None,
-                      lambda _, data: got.append(data.tobytes()), disk, f'reading {source}',
-                      'keeping it')
-    problem = problem or sent
-  finally:
-    if fin is not None and not disk.stuck:  # a read of it may hang there yet: left open
-      fin.close()
+  sent = _broadcast(size, fill if fin is not None else None, source is not None,
+                    lambda _, data: got.append(data.tobytes()), disk, f'reading {source}',
+                    'keeping it')
+  if fin is not None:  # a hung disk's file is left open
+    disk.kept(problems, READER, f'closing {source}', fin.close)
+  problem = problems[0] if problems else sent or disk.stuck
   return (b''.join(got) if receive else None), problem
 
 
@@ -65,7 +63,7 @@ def spread(source: Path | None,
            tensors: sends.Tensors | None,
            into: Path | None,
            whole: Mapping[str, Any] | None = None,
-           disk: sends.Disk | None = None) -> tuple[int, str | None]:
+           disk: Disk | None = None) -> tuple[int, str | None]:
   """The same bytes of a part from its sender to every process at once, window by window, in one
   collective each: where several processes need the same bytes of one part (its few replicated
   tensors in a fully sharded job: every process but its owner; the whole part in a
@@ -74,23 +72,20 @@ def spread(source: Path | None,
   for the whole part, which it gets at `into` checked against `whole` (its {size, crc32} in the
   manifest); `into`: the part's path on a receiver. Every process calls it with the same
   `tensors` and `whole`. Returns (the bytes this process received intact, its problem or
-  None). `disk`: the restore's (`sends.Disk`), else one of its own."""
+  None). `disk`: the restore's (`diskwork.Disk`), else one of its own."""
   if disk is None:
-    with sends.Disk() as disk:
+    with Disk() as disk:
       return spread(source, tensors, into, whole, disk)
   spec = sends.subset_spec(tensors) if tensors is not None else whole
-  fd, problems, is_source = None, [disk.stuck] if disk.stuck else [], source is not None
+  fd, segments, problems, is_source = None, [], [disk.stuck
+                                                ] if disk.stuck else [], source is not None
   if problems:  # a hung disk: nothing more opened, zeros sent
     source = into = None
-  try:
-    fd = os.open(source, os.O_RDONLY) if source is not None else None
-    segments = sends.segments_of(source, fd, tensors, spec['size']) if fd is not None else []
-  except OSError as e:
-    problems.append(f'{e.filename}: {e.strerror or e}')
-  except CheckpointError as e:
-    problems.append(e.line())
+  if source is not None:
+    fd, segments = disk.kept(problems, READER, f'opening {source}', sends.opened, source, tensors,
+                             spec['size']) or (None, [])
   target = into if into is None or tensors is None else layout.subset_of(into)
-  landing = sends.Landing(target, spec['size'], problems)
+  landing = sends.landed(disk, target, spec['size'], problems)
 
   def keep(lo: int, data: np.ndarray) -> None:
     # A write that fails is kept as this process's problem: it goes on taking every window.
@@ -107,23 +102,23 @@ def spread(source: Path | None,
                     if fd is not None and not problems else None, is_source, keep, disk,
                     f'reading {source}', f'writing {landing.tmp}')
   problems += [sent] if sent and sent not in problems else []
-  landing.left = disk.stuck is not None
-  try:  # after the collectives: what fails here is said, never raised
-    if fd is not None and not disk.stuck:  # a read of it may hang there yet: left open
-      os.close(fd)
-  except OSError as e:
-    problems.append(f'{source}: {e.strerror or e}')
-  problem = landing.finish(spec['crc32'], 'the shard table' if tensors else 'the manifest')
+  if fd is not None:  # after the collectives: said, never raised; a hung disk's left open
+    disk.kept(problems, READER, f'closing {source}', os.close, fd)
+  problem = sends.finished(disk, landing, spec['crc32'],
+                           'the shard table' if tensors else 'the manifest')
   if target is None or problem:
     return 0, problem
-  return spec['size'], sends.subset_in(into) if tensors is not None else None
+  if tensors is None:
+    return spec['size'], None
+  problem = disk.kept(problems, WRITER, f'removing {into}', sends.subset_in, into)
+  return spec['size'], problem or (problems[0] if problems else None)
 
 
 def _broadcast(size: int,
                fill: Callable[[memoryview, int], None] | None,
                is_source: bool,
                keep: Callable[[int, np.ndarray], None],
-               disk: sends.Disk,
+               disk: Disk,
                reading: str = 'reading',
                keeping: str = 'keeping') -> str | None:
   """`size` bytes from the process where `is_source` to every process, a window at a time
@@ -131,7 +126,7 @@ def _broadcast(size: int,
   on `disk`'s reader, the next one read while the one before is in the collective; every
   process's `keep(offset, bytes)` takes each on its writer while the next ones move (at most two
   behind). A `fill` that fails (or none, on the source) sends zeros to the end: every process
-  takes part in every window; so does one that hangs (`sends.Disk`: `reading` and `keeping`
+  takes part in every window; so does one that hangs (`diskwork.Disk`: `reading` and `keeping`
   name what hung), and then no `keep` runs either. The problem of this process's reads or
   keeps, or None."""
   from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
@@ -148,7 +143,7 @@ def _broadcast(size: int,
     return buf
 
   count = -(-size // window)
-  ahead = disk.submit(sends.READER, reading, read, 0) if fill is not None and count else None
+  ahead = disk.submit(READER, reading, read, 0) if fill is not None and count else None
   writes = collections.deque()
   for i in range(count):
     buf = zeros
@@ -160,14 +155,13 @@ def _broadcast(size: int,
       except Exception as e:  # noqa: BLE001 - returned, said to every process
         problem = str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}'
       more = problem is None and i + 1 < count
-      ahead = disk.submit(sends.READER, reading, read, i + 1) if more else None
+      ahead = disk.submit(READER, reading, read, i + 1) if more else None
     buf = zeros if problem is not None else buf
     # Returns once the collective is done with `buf`, which the reader then refills; one
     # process alone gets `buf` back itself, copied before the reader can refill it.
     out = np.asarray(multihost_utils.broadcast_one_to_all(buf, is_source=is_source))
     out = out.copy() if np.shares_memory(out, buf) else out
-    write = disk.submit(sends.WRITER, keeping, keep, i * window,
-                        out[:min(window, size - i * window)])
+    write = disk.submit(WRITER, keeping, keep, i * window, out[:min(window, size - i * window)])
     writes.extend([write] if write is not None else [])
     while len(writes) > 2:
       problem = _kept(disk, writes.popleft(), problem)
@@ -176,7 +170,7 @@ def _broadcast(size: int,
   return problem
 
 
-def _kept(disk: sends.Disk, write: sends.Task, problem: str | None) -> str | None:
+def _kept(disk: Disk, write: Task, problem: str | None) -> str | None:
   """`problem`, or the one `keep` raised (it never leaves the windows early)."""
   try:
     disk.result(write)
