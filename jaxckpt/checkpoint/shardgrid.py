@@ -223,6 +223,7 @@ class Table(abc.Mapping):
     if self.cells.size and int(self.cells['process'].max()) >= len(files):
       raise damaged(f'a cell of a process beyond the {len(files)} files')
     self.files, self.shapes = files, shapes
+    self._looked, self._rows = 0, None  # cells looked up so far; each cell's (process, crc32)
 
   def overlapping(self, array: str, box: Box) -> list[dict]:
     """The rows of the cells of `array` that overlap `box`."""
@@ -230,8 +231,16 @@ class Table(abc.Mapping):
       return []
     shape = self.shapes[array]
     cells = list(self.grid.cells(array, box))
-    at = [number for number, _ in cells]  # read at once: a numpy record per cell is slow
-    processes, crcs = self.cells['process'][at].tolist(), self.cells['crc32'][at].tolist()
+    at = [number for number, _ in cells]
+    # A numpy record per cell is slow: a restore's few cells are read at once, and a table
+    # looked up at large (process 0's plan of a restore from the peers) is read whole once.
+    self._looked += len(at)
+    if self._rows is None and self._looked > len(self.cells) // 16:
+      self._rows = (self.cells['process'].tolist(), self.cells['crc32'].tolist())
+    if self._rows is not None:
+      processes, crcs = [self._rows[0][n] for n in at], [self._rows[1][n] for n in at]
+    else:
+      processes, crcs = self.cells['process'][at].tolist(), self.cells['crc32'][at].tolist()
     out = []
     for (_, cell), process, crc in zip(cells, processes, crcs):
       out.append({
