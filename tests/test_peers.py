@@ -151,8 +151,9 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
         directory, target, multihost.Group(timeout), remote, replicas=0 if '-r0' in cmd else 1)
   except CheckpointError as e:
     print(f'ERROR {e}', flush=True)
-    if '-hang' in cmd:  # as the trainer does (`exit_within`): not waiting for the stuck thread
-      import os
+    if '-hang' in cmd and process == 2:  # as the trainer's exit (`exit_within`) does: it
+      import os  # leaves the job, then exits without waiting for the stuck thread
+      jax.distributed.shutdown()
       os._exit(3)
     sys.exit(3)
   if got is None:

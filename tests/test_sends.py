@@ -312,3 +312,16 @@ def test_a_path_that_cannot_be_found_is_said_and_every_window_still_goes(part, s
     got = sends.carry([(path.name, 0, 0)], {path.name: entry}, 0, path_of, disk=disk)
   assert got == (0, f'E-CKPT-005: {path.name}: a link that leads out of it; do not load it')
   assert len(moves) == -(-entry['size'] // sends.WINDOW)
+
+
+def test_a_task_that_moves_bytes_is_waited_for_longer_by_them(monkeypatch):
+  """The fsync of a large file received flushes what the page cache holds of it: its wait grows
+  with its bytes, so a slow but working disk is not taken for hung; the same task with no bytes
+  counted is."""
+  monkeypatch.setattr(diskwork, 'DISK_WAIT_SECS', 0.1)
+  monkeypatch.setattr(diskwork, 'DISK_BYTES_PER_SEC', 100)
+  with diskwork.Disk() as disk:
+    assert disk.run('t', 'syncing a', lambda: time.sleep(0.3) or 'done', nbytes=300) == 'done'
+    assert disk.stuck is None
+    with pytest.raises(diskwork.Stuck, match='syncing b: not done after a wait of 0.1 s'):
+      disk.run('t', 'syncing b', time.sleep, 0.3)

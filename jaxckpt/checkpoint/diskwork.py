@@ -29,6 +29,8 @@ MISMATCH = 'what was received does not match'  # a receiver's check, failed: its
 # exits without it: `cli.parser.exit_within`).
 DISK_WAIT_SECS = 120.0
 HUNG = 'a hung disk?'  # the end of what a stuck disk says
+# A task that moves a file's bytes (the fsync of one received) waits a second more per 20 MB.
+DISK_BYTES_PER_SEC = 20e6
 READER, WRITER = 'jaxckpt-send', 'jaxckpt-receive'  # `Disk`'s threads
 
 
@@ -40,6 +42,7 @@ class Task(NamedTuple):
   future: concurrent.futures.Future
   thread: str
   what: str
+  nbytes: int = 0  # the bytes it moves: its wait grows with them
 
 
 class Disk:
@@ -62,39 +65,45 @@ class Disk:
     for pool in self._pools.values():
       pool.shutdown(wait=self.stuck is None and failed is None, cancel_futures=True)
 
-  def submit(self, thread: str, what: str, fn: Callable, *args) -> Task | None:
-    """`fn(*args)` on the thread named `thread`, `what` naming it should it hang; None once the
-    disk is stuck."""
+  def submit(self, thread: str, what: str, fn: Callable, *args, nbytes: int = 0) -> Task | None:
+    """`fn(*args)` on the thread named `thread`, `what` naming it should it hang, `nbytes` the
+    bytes it moves; None once the disk is stuck."""
     if self.stuck is not None:
       return None
     if thread not in self._pools:
       self._pools[thread] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread)
-    return Task(self._pools[thread].submit(fn, *args), thread, what)
+    return Task(self._pools[thread].submit(fn, *args), thread, what, nbytes)
 
   def result(self, task: Task) -> Any:
     """`task`'s result (or its exception), once done; Stuck if it is not within DISK_WAIT_SECS
-    (none at all, once the disk is stuck)."""
-    done, _ = concurrent.futures.wait([task.future],
-                                      timeout=0 if self.stuck is not None else DISK_WAIT_SECS)
+    and a second per DISK_BYTES_PER_SEC of its bytes (none at all, once the disk is stuck)."""
+    wait = DISK_WAIT_SECS + task.nbytes / DISK_BYTES_PER_SEC
+    done, _ = concurrent.futures.wait([task.future], timeout=0 if self.stuck is not None else wait)
     if not done:
       task.future.cancel()
-      self.stuck = self.stuck or (f'{task.what}: not done after a wait of {DISK_WAIT_SECS:g} s '
-                                  f'(thread {task.thread}); a hung disk?')
+      self.stuck = self.stuck or (f'{task.what}: not done after a wait of {wait:g} s '
+                                  f'(thread {task.thread}); {HUNG}')
       raise Stuck(self.stuck)
     return task.future.result()
 
-  def run(self, thread: str, what: str, fn: Callable, *args) -> Any:
+  def run(self, thread: str, what: str, fn: Callable, *args, nbytes: int = 0) -> Any:
     """`fn(*args)` on `thread`, waited for as `result` waits: its result, or its exception, or
     Stuck (at once, once the disk is stuck)."""
-    task = self.submit(thread, what, fn, *args)
+    task = self.submit(thread, what, fn, *args, nbytes=nbytes)
     if task is None:
       raise Stuck(self.stuck)
     return self.result(task)
 
-  def kept(self, problems: list[str], thread: str, what: str, fn: Callable, *args) -> Any:
+  def kept(self,
+           problems: list[str],
+           thread: str,
+           what: str,
+           fn: Callable,
+           *args,
+           nbytes: int = 0) -> Any:
     """`run`'s answer, or None with what went wrong added to `problems` (a stuck disk once)."""
     try:
-      return self.run(thread, what, fn, *args)
+      return self.run(thread, what, fn, *args, nbytes=nbytes)
     except Stuck as e:
       problems.extend([] if str(e) in problems else [str(e)])
     except CheckpointError as e:

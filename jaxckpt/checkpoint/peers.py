@@ -291,8 +291,10 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
     local(lambda: _commit(work, final, raw, plan['seal'], step), f'committing {final}')
   else:
     local(lambda: atomic.fsync_dir(final / layout.STATE_DIR), f'syncing {final / layout.STATE_DIR}')
+  cause = _cause(problems)  # a hang after an earlier problem is said too: it rules the fallback
+  cause += f'; then {disk.stuck}' if disk.stuck and disk.stuck not in cause else ''
   said = group.sync(
-      f'peers/done/{step}', f'a restore of step {step} from the peers', _cause(problems), fix=AGAIN)
+      f'peers/done/{step}', f'a restore of step {step} from the peers', cause, fix=AGAIN)
   failed = [(k, p) for k, p in enumerate(said) if p]
   cause = _cause([p for _, p in failed])
   if failed:

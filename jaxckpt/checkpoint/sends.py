@@ -245,8 +245,10 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
       return disk.result(task)
     except Stuck as e:
       problems.extend([] if str(e) in problems else [str(e)])
+    except OSError as e:  # one that names no file (a write's ENOSPC): named by its task
+      problems.append(str(e) if e.filename else f'{task.what}: {e.strerror or e}')
     except Exception as e:  # noqa: BLE001 - returned to the caller, said to every process
-      problems.append(str(e) if isinstance(e, OSError) else f'{type(e).__name__}: {e}')
+      problems.append(f'{type(e).__name__}: {e}')
     return None
 
   if source is not None:
@@ -298,11 +300,17 @@ def landed(disk: Disk, path: Path | None, size: int, problems: list[str]) -> Lan
 def finished(disk: Disk, landing: Landing, crc: str, against: str) -> str | None:
   """`landing.finish` on `disk`'s writer (its fsync and rename), bounded; with the disk stuck,
   the file is left as it is and the problem said."""
-  if disk.stuck is None:
-    problem = disk.kept(landing.problems, WRITER, f'syncing {landing.tmp}', landing.finish, crc,
-                        against)
+  if disk.stuck is None:  # the fsync flushes what the page cache holds of it: its wait grows
+    problem = disk.kept(
+        landing.problems,
+        WRITER,
+        f'syncing {landing.tmp}',
+        landing.finish,
+        crc,
+        against,
+        nbytes=landing.wrote)
     if disk.stuck is None:
-      return problem
+      return problem or (landing.problems[0] if landing.problems else None)
   landing.left = True
   return landing.finish(crc, against)
 

@@ -37,7 +37,7 @@ def broadcast(source: Path | None,
   if disk is None:
     with Disk() as disk:
       return broadcast(source, size, receive, disk)
-  got, problems = [], []
+  got, problems, closing = [], [], []
   # pylint: disable-next=consider-using-with
   fin = disk.kept(problems, READER, f'opening {source}', open, source,
                   'rb') if source is not None else None
@@ -54,8 +54,8 @@ def broadcast(source: Path | None,
                     lambda _, data: got.append(data.tobytes()), disk, f'reading {source}',
                     'keeping it')
   if fin is not None:  # a hung disk's file is left open
-    disk.kept(problems, READER, f'closing {source}', fin.close)
-  problem = problems[0] if problems else sent or disk.stuck
+    disk.kept(closing, READER, f'closing {source}', fin.close)
+  problem = next(iter(problems), None) or sent or next(iter(closing), None) or disk.stuck
   return (b''.join(got) if receive else None), problem
 
 
