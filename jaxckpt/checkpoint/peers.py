@@ -239,6 +239,8 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
       return fn() if what is None else disk.run(WRITER, what, fn)
     except Stuck as e:
       problems.append(str(e))
+    except CheckpointError as e:  # as `Disk.kept` says one
+      problems.append(e.line())
     except Exception as e:  # noqa: BLE001 - said to every process below, then raised
       problems.append(f'{type(e).__name__}: {" ".join(str(e).split())[:300]}')
     return None
