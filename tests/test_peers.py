@@ -153,8 +153,10 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
     print(f'ERROR {e}', flush=True)
     if '-hang' in cmd and process == 2:  # as the trainer's exit (`exit_within`) does: it
       import os  # leaves the job, then exits without waiting for the stuck thread
-      jax.distributed.shutdown()
-      os._exit(3)
+      try:
+        jax.distributed.shutdown()
+      finally:
+        os._exit(3)
     sys.exit(3)
   if got is None:
     print('RESULT null', flush=True)

@@ -324,4 +324,4 @@ def test_a_task_that_moves_bytes_is_waited_for_longer_by_them(monkeypatch):
     assert disk.run('t', 'syncing a', lambda: time.sleep(0.3) or 'done', nbytes=300) == 'done'
     assert disk.stuck is None
     with pytest.raises(diskwork.Stuck, match='syncing b: not done after a wait of 0.1 s'):
-      disk.run('t', 'syncing b', time.sleep, 0.3)
+      disk.run('t', 'syncing b', time.sleep, 1)

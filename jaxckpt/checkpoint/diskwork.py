@@ -146,7 +146,7 @@ class Landing:
     while done < len(view):  # a write cut short (a disk nearly full) goes on, or raises
       n = os.pwrite(self.fd, view[done:], offset + done)
       if n <= 0:
-        raise OSError(errno.ENOSPC, f'{self.tmp}: a write at {offset + done} wrote nothing')
+        raise OSError(errno.ENOSPC, f'a write at {offset + done} wrote nothing', str(self.tmp))
       done += n
     self.crc, self.wrote = crc32(view, self.crc), self.wrote + done
 

@@ -48,7 +48,8 @@ import logging
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from . import atomic, checksum, holdings, layout, manifest, multihost, peerplan, sends, spreads
+from . import (atomic, checksum, diskwork, holdings, layout, manifest, multihost, peerplan, sends,
+               spreads)
 from .diskwork import HUNG, MISMATCH, WRITER, Disk, Stuck
 from .holdings import META, held, tidy
 from .errors import CheckpointError
@@ -295,8 +296,16 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
     local(lambda: atomic.fsync_dir(final / layout.STATE_DIR), f'syncing {final / layout.STATE_DIR}')
   cause = _cause(problems)  # a hang after an earlier problem is said too: it rules the fallback
   cause += f'; then {disk.stuck}' if disk.stuck and disk.stuck not in cause else ''
+  # The last file received may be a large one whose fsync is waited for longer (`diskwork`):
+  # a process whose disk hangs there comes that much later, and says so.
+  largest = max((f['size'] for f in plan['files'].values()), default=0)
   said = group.sync(
-      f'peers/done/{step}', f'a restore of step {step} from the peers', cause, fix=AGAIN)
+      f'peers/done/{step}',
+      f'a restore of step {step} from the peers',
+      cause,
+      fix=AGAIN,
+      timeout_secs=group.timeout_secs + diskwork.DISK_WAIT_SECS +
+      largest / diskwork.DISK_BYTES_PER_SEC)
   failed = [(k, p) for k, p in enumerate(said) if p]
   cause = _cause([p for _, p in failed])
   if failed:

@@ -245,8 +245,10 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
       return disk.result(task)
     except Stuck as e:
       problems.extend([] if str(e) in problems else [str(e)])
+    except CheckpointError as e:
+      problems.append(e.line())
     except OSError as e:  # one that names no file (a write's ENOSPC): named by its task
-      problems.append(str(e) if e.filename else f'{task.what}: {e.strerror or e}')
+      problems.append(f'{e.filename or task.what}: {e.strerror or e}')
     except Exception as e:  # noqa: BLE001 - returned to the caller, said to every process
       problems.append(f'{type(e).__name__}: {e}')
     return None
