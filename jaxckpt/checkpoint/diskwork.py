@@ -101,15 +101,24 @@ class Disk:
            fn: Callable,
            *args,
            nbytes: int = 0) -> Any:
-    """`run`'s answer, or None with what went wrong added to `problems` (a stuck disk once)."""
+    """`run`'s answer, or None with what went wrong added to `problems` (`taken`)."""
+    task = self.submit(thread, what, fn, *args, nbytes=nbytes)
+    if task is None:
+      problems.extend([] if self.stuck in problems else [self.stuck])
+      return None
+    return self.taken(problems, task)
+
+  def taken(self, problems: list[str], task: Task) -> Any:
+    """`result`'s answer, or None with what went wrong added to `problems`: a stuck disk once,
+    an error naming no file named by its task."""
     try:
-      return self.run(thread, what, fn, *args, nbytes=nbytes)
+      return self.result(task)
     except Stuck as e:
       problems.extend([] if str(e) in problems else [str(e)])
     except CheckpointError as e:
       problems.append(e.line())
     except OSError as e:
-      problems.append(f'{e.filename}: {e.strerror or e}' if e.filename else str(e))
+      problems.append(f'{e.filename or task.what}: {e.strerror or e}')
     except Exception as e:  # noqa: BLE001 - said to every process, never raised on one alone
       problems.append(f'{type(e).__name__}: {e}')
     return None

@@ -31,7 +31,7 @@ import numpy as np
 from . import layout, statefile
 from .checksum import crc32, crc32_combine
 from .directio import aligned_empty, pread_into
-from .diskwork import READER, WRITER, Disk, Landing, Stuck, Task
+from .diskwork import READER, WRITER, Disk, Landing
 from .errors import CheckpointError
 
 # Bytes per process per collective. On CPU (gloo over loopback, 2 cores), `carry` of 700 MiB
@@ -240,19 +240,6 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
     buf[want:] = 0  # the last window's tail: zeros, not the window before's bytes
     return buf
 
-  def said(task: Task) -> Any:  # a task's result, or None with its error kept
-    try:
-      return disk.result(task)
-    except Stuck as e:
-      problems.extend([] if str(e) in problems else [str(e)])
-    except CheckpointError as e:
-      problems.append(e.line())
-    except OSError as e:  # one that names no file (a write's ENOSPC): named by its task
-      problems.append(f'{e.filename or task.what}: {e.strerror or e}')
-    except Exception as e:  # noqa: BLE001 - returned to the caller, said to every process
-      problems.append(f'{type(e).__name__}: {e}')
-    return None
-
   if source is not None:
     fin, segments = disk.kept(problems, READER, f'opening {source[0]}', opened, *
                               source) or (None, [])
@@ -262,7 +249,7 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
   ahead = disk.submit(READER, reading, read, 0) if sending else None
   writes = collections.deque()  # at most two windows waiting for the disk
   for i in range(count):
-    buf = (said(ahead) if ahead is not None else None)
+    buf = (disk.taken(problems, ahead) if ahead is not None else None)
     buf = zeros if buf is None or problems else buf
     more = sending and not problems and i + 1 < count
     ahead = disk.submit(READER, reading, read, i + 1) if more else None
@@ -271,9 +258,9 @@ def _round(perm, size: int, source: tuple[Path, Tensors | None, int] | None,
     write = disk.submit(WRITER, writing, landing.write, i * WINDOW, got) if taking else None
     writes.extend([write] if write is not None else [])
     while len(writes) > 2:
-      said(writes.popleft())
+      disk.taken(problems, writes.popleft())
   for w in writes:
-    said(w)
+    disk.taken(problems, w)
   if fin is not None:  # a hung disk's file is left open
     disk.kept(problems, READER, f'closing {source[0]}', os.close, fin)
   return finished(disk, landing, into[1]['crc32'] if into else '', 'its manifest')
