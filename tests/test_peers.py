@@ -130,13 +130,17 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
 
       from jaxckpt.checkpoint import diskwork  # where a received file is written
       diskwork.os = type('os', (), {'__getattr__': lambda _, n: getattr(os, n), 'pwrite': full})()
-  if '-hang' in cmd and process == 2:  # its disk hangs in the first write of what it receives
+  hangs = process == 2 and ('-hang' in cmd or '-fetchhang' in cmd)
+  if hangs:  # its disk hangs in the first write of what it receives, or of what it reads
     import threading
 
     from jaxckpt.checkpoint import diskwork
     diskwork.DISK_WAIT_SECS = 3
     gate = threading.Event()
-    diskwork.Landing.write = lambda *_: gate.wait(120)
+    if '-hang' in cmd:
+      diskwork.Landing.write = lambda *_: gate.wait(120)
+    else:  # from the remote (where it is the one to read its own part)
+      remote.fetch = lambda *_: gate.wait(120)
   collectives = {'rounds': 0, 'spreads': 0}  # how the parts moved: counted, then done as ever
   for name, real in (('rounds', sends._round), ('spreads', spreads.spread)):
 
@@ -151,7 +155,7 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
         directory, target, multihost.Group(timeout), remote, replicas=0 if '-r0' in cmd else 1)
   except CheckpointError as e:
     print(f'ERROR {e}', flush=True)
-    if '-hang' in cmd and process == 2:  # as the trainer's exit (`exit_within`) does: it
+    if hangs:  # as the trainer's exit (`exit_within`) does: it
       import os  # leaves the job, then exits without waiting for the stuck thread
       try:
         jax.distributed.shutdown()
@@ -427,6 +431,22 @@ def test_a_receiver_whose_disk_hangs_stops_every_process_together_naming_it(
         r'process\(es\) \[2\]: writing (\S+): not done after a wait of 3 s \(thread '
         r'jaxckpt-receive\); a hung disk\?', text)
     assert said and '/host2/' in said[1] and said[1].endswith('.peer-tmp'), text[-2000:]
+
+
+def test_a_read_of_the_remote_that_hangs_is_given_up_before_the_others_stop_waiting(
+    tmp_path, compile_cache, s3_server, saved_10):
+  """Process 2's read of its part from the remote hangs (on its disk, or the network): it gives
+  it up before the others stop waiting for it, takes part in every window sending zeros, and
+  every process stops with E-CKPT-023 naming the read (before, the others stopped with
+  E-DIST-002 and process 2 stayed in the read for as long as it hung)."""
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  url, _ = _uploaded_and_wiped(tmp_path, s3_server)
+  for text in _run(tmp_path, compile_cache, 'restore-dp-fetchhang', url, '10', code=3):
+    said = re.search(
+        r'E-CKPT-023: the restore of step 10 from the peers stopped: a disk hung on '
+        r'process\(es\) \[2\]: reading state/process_2.safetensors of step 10 from the remote '
+        r'into (\S+): not done after a wait of 3 s \(thread jaxckpt-receive\); a hung disk\?', text)
+    assert said and '/host2/' in said[1], text[-2000:]
 
 
 def test_the_others_wait_for_a_slow_read_of_the_remote_past_the_groups_timeout(

@@ -325,3 +325,13 @@ def test_a_task_that_moves_bytes_is_waited_for_longer_by_them(monkeypatch):
     assert disk.stuck is None
     with pytest.raises(diskwork.Stuck, match='syncing b: not done after a wait of 0.1 s'):
       disk.run('t', 'syncing b', time.sleep, 1)
+
+
+def test_a_task_given_its_own_wait_is_waited_for_that_long(monkeypatch):
+  """A read of the remote is given up before the others stop waiting for it: its wait is its
+  own, not the disk's default, either way."""
+  monkeypatch.setattr(diskwork, 'DISK_WAIT_SECS', 0.1)
+  with diskwork.Disk() as disk:
+    assert disk.run('t', 'reading a', lambda: time.sleep(0.3) or 'done', wait=5) == 'done'
+    with pytest.raises(diskwork.Stuck, match='reading b: not done after a wait of 0.2 s'):
+      disk.run('t', 'reading b', time.sleep, 1, nbytes=10**9, wait=0.2)

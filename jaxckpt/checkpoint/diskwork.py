@@ -42,7 +42,7 @@ class Task(NamedTuple):
   future: concurrent.futures.Future
   thread: str
   what: str
-  nbytes: int = 0  # the bytes it moves: its wait grows with them
+  wait: float  # s: how long it is waited for before the disk is said to be stuck
 
 
 class Disk:
@@ -65,31 +65,46 @@ class Disk:
     for pool in self._pools.values():
       pool.shutdown(wait=self.stuck is None and failed is None, cancel_futures=True)
 
-  def submit(self, thread: str, what: str, fn: Callable, *args, nbytes: int = 0) -> Task | None:
-    """`fn(*args)` on the thread named `thread`, `what` naming it should it hang, `nbytes` the
-    bytes it moves; None once the disk is stuck."""
+  def submit(self,
+             thread: str,
+             what: str,
+             fn: Callable,
+             *args,
+             nbytes: int = 0,
+             wait: float | None = None) -> Task | None:
+    """`fn(*args)` on the thread named `thread`, `what` naming it should it hang; None once
+    the disk is stuck. It is waited for `wait` seconds, by default DISK_WAIT_SECS and a second
+    per DISK_BYTES_PER_SEC of `nbytes`, the bytes it moves."""
     if self.stuck is not None:
       return None
     if thread not in self._pools:
       self._pools[thread] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread)
-    return Task(self._pools[thread].submit(fn, *args), thread, what, nbytes)
+    wait = DISK_WAIT_SECS + nbytes / DISK_BYTES_PER_SEC if wait is None else wait
+    return Task(self._pools[thread].submit(fn, *args), thread, what, wait)
 
   def result(self, task: Task) -> Any:
-    """`task`'s result (or its exception), once done; Stuck if it is not within DISK_WAIT_SECS
-    and a second per DISK_BYTES_PER_SEC of its bytes (none at all, once the disk is stuck)."""
-    wait = DISK_WAIT_SECS + task.nbytes / DISK_BYTES_PER_SEC
-    done, _ = concurrent.futures.wait([task.future], timeout=0 if self.stuck is not None else wait)
+    """`task`'s result (or its exception), once done; Stuck if it is not within its wait
+    (none at all, once the disk is stuck)."""
+    done, _ = concurrent.futures.wait([task.future],
+                                      timeout=0 if self.stuck is not None else task.wait)
     if not done:
       task.future.cancel()
-      self.stuck = self.stuck or (f'{task.what}: not done after a wait of {wait:g} s '
-                                  f'(thread {task.thread}); {HUNG}')
+      self.stuck = self.stuck or (
+          f'{task.what}: not done after a wait of {round(task.wait, 1):g} s '
+          f'(thread {task.thread}); {HUNG}')
       raise Stuck(self.stuck)
     return task.future.result()
 
-  def run(self, thread: str, what: str, fn: Callable, *args, nbytes: int = 0) -> Any:
+  def run(self,
+          thread: str,
+          what: str,
+          fn: Callable,
+          *args,
+          nbytes: int = 0,
+          wait: float | None = None) -> Any:
     """`fn(*args)` on `thread`, waited for as `result` waits: its result, or its exception, or
     Stuck (at once, once the disk is stuck)."""
-    task = self.submit(thread, what, fn, *args, nbytes=nbytes)
+    task = self.submit(thread, what, fn, *args, nbytes=nbytes, wait=wait)
     if task is None:
       raise Stuck(self.stuck)
     return self.result(task)

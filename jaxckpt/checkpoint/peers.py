@@ -33,7 +33,8 @@ still hold the bytes between them:
 Each process then restores from its own step directory as from any other, reading only the byte
 ranges its devices need. The `Group` waits are bounded by its timeout, and every process waits
 at one before the collectives (the one before the sends also for the slowest read of the
-remote, at `FETCH_FLOOR`; the wait for process 0's word while it reads the remote checkpoint's
+remote, at `FETCH_FLOOR`, which that reader gives up first, sending zeros to the end as for
+a hung disk; the wait for process 0's word while it reads the remote checkpoint's
 own files, for those bytes at the same rate), so a process that never comes is named; a
 process lost in the middle of a collective, which has no timeout, is seen by the job's own
 heartbeats.
@@ -230,14 +231,14 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
   sources = {'own': 0, 'peers': 0, 'remote': 0}
   problems: list[str] = []
 
-  def local(fn: Callable[[], Any], what: str | None = None) -> Any:
+  def local(fn: Callable[[], Any], what: str | None = None, wait: float | None = None) -> Any:
     """`fn()` unless a problem came first, its failure kept; `what`: disk work, done on the
-    disk's thread and bounded (`diskwork.Disk`), named so should it hang."""
+    disk's thread and bounded (`diskwork.Disk`, `wait` s where given), named so should it hang."""
     if problems or disk.stuck:
       problems.extend([disk.stuck] if disk.stuck and not problems else [])
       return None
     try:
-      return fn() if what is None else disk.run(WRITER, what, fn)
+      return fn() if what is None else disk.run(WRITER, what, fn, wait=wait)
     except Stuck as e:
       problems.append(str(e))
     except CheckpointError as e:  # as `Disk.kept` says one
@@ -271,8 +272,12 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
   load: dict[int, int] = {}  # the bytes each process reads from the remote, which the rest wait for
   for rel, k in moves.reads.items():
     load[k] = load.get(k, 0) + plan['files'][rel]['size']
-  if reads:
-    sources['remote'] = local(lambda: remote.fetch(step, reads, work, plan['files'])) or 0
+  if reads:  # given up before the others stop waiting for it: it then sends zeros to the end
+    more = f' and {len(reads) - 1} more' if len(reads) > 1 else ''
+    sources['remote'] = local(
+        lambda: remote.fetch(step, reads, work, plan['files']),
+        f'reading {reads[0]}{more} of step {step} from the remote into {work}',
+        min(diskwork.DISK_WAIT_SECS, group.timeout_secs / 2) + load[me] / FETCH_FLOOR) or 0
   gate(
       'sends', f'the sends of step {step}' + (f' after process(es) {sorted(load)} read '
                                               f'{sum(load.values()) / 1e6:.1f} MB of it from the '
@@ -317,8 +322,8 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
       raise CheckpointError(
           'E-CKPT-023', f'the restore of step {step} from the peers stopped: a disk hung on '
           f'process(es) {[k for k, _ in hung]}: {hung[0][1]}', 'check the disk of that host (a '
-          'hung mount; its own process exits without the stuck thread), then start every '
-          'process again')
+          'hung mount; its own process exits without the stuck thread), or its network where '
+          'it hung reading the remote, then start every process again')
     raise CheckpointError(
         'E-CKPT-016', f'the restore of step {step} from the peers failed on process(es) '
         f'{[k for k, _ in failed]}: {cause}', 'fix that host (its disk, its access to '
