@@ -4,6 +4,8 @@ table's rows without the bytes, read from the sender's copy of the part."""
 
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -335,3 +337,22 @@ def test_a_task_given_its_own_wait_is_waited_for_that_long(monkeypatch):
     assert disk.run('t', 'reading a', lambda: time.sleep(0.3) or 'done', wait=5) == 'done'
     with pytest.raises(diskwork.Stuck, match='reading b: not done after a wait of 0.2 s'):
       disk.run('t', 'reading b', time.sleep, 1, nbytes=10**9, wait=0.2)
+
+
+def test_a_process_whose_disk_hung_exits_without_waiting_for_the_stuck_thread():
+  """A library caller (not the trainer, which leaves with `os._exit`) returns from its script
+  after a restore stopped on a hung disk: its process exits, the stuck thread left behind."""
+  script = ('import threading\n'
+            'from jaxckpt.checkpoint import diskwork\n'
+            'diskwork.DISK_WAIT_SECS = 0.2\n'
+            'with diskwork.Disk() as disk:\n'
+            '  try:\n'
+            "    disk.run('jaxckpt-receive', 'writing part', threading.Event().wait)\n"
+            '  except diskwork.Stuck as e:\n'
+            '    print(e)\n'
+            "print('done')\n")
+  out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.splitlines() == [
+      'writing part: not done after a wait of 0.2 s (thread jaxckpt-receive); a hung disk?', 'done'
+  ]

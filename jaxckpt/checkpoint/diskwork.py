@@ -15,6 +15,8 @@ import concurrent.futures
 import contextlib
 import errno
 import os
+import queue
+import threading
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -25,8 +27,8 @@ from .checksum import crc32
 from .errors import CheckpointError
 
 MISMATCH = 'what was received does not match'  # a receiver's check, failed: its sender's doing?
-# Disk work not done after this is stuck: the stuck thread is left behind (the trainer's process
-# exits without it: `cli.parser.exit_within`).
+# Disk work not done after this is stuck: the stuck thread is left behind (a daemon thread: the
+# process exits without it).
 DISK_WAIT_SECS = 120.0
 HUNG = 'a hung disk?'  # the end of what a stuck disk says
 # A task that moves a file's bytes (the fsync of one received) waits a second more per 20 MB.
@@ -51,19 +53,19 @@ class Disk:
   `result` waits for a task at most DISK_WAIT_SECS: one not done then is stuck, a hung disk or
   mount, and so is this process's disk from then on (`stuck` names what hung): no task runs on
   it, its callers do no more disk work on their own thread either (it would hang there, every
-  other process waiting in the next collective) and send zeros to the last window, and leaving
-  does not wait for the threads."""
+  other process waiting in the next collective) and send zeros to the last window, and neither
+  leaving nor the process's exit waits for the threads."""
 
   def __init__(self):
     self.stuck: str | None = None
-    self._pools: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+    self._pools: dict[str, _Worker] = {}
 
   def __enter__(self) -> Disk:
     return self
 
   def __exit__(self, failed, *_) -> None:
     for pool in self._pools.values():
-      pool.shutdown(wait=self.stuck is None and failed is None, cancel_futures=True)
+      pool.shutdown(wait=self.stuck is None and failed is None)
 
   def submit(self,
              thread: str,
@@ -78,7 +80,7 @@ class Disk:
     if self.stuck is not None:
       return None
     if thread not in self._pools:
-      self._pools[thread] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=thread)
+      self._pools[thread] = _Worker(thread)
     wait = DISK_WAIT_SECS + nbytes / DISK_BYTES_PER_SEC if wait is None else wait
     return Task(self._pools[thread].submit(fn, *args), thread, what, wait)
 
@@ -137,6 +139,40 @@ class Disk:
     except Exception as e:  # noqa: BLE001 - said to every process, never raised on one alone
       problems.append(f'{type(e).__name__}: {e}')
     return None
+
+
+class _Worker:
+  """One daemon thread that runs what it is handed, in order: one stuck on a hung disk does not
+  hold the process at its exit, where a `ThreadPoolExecutor`'s threads are joined."""
+
+  def __init__(self, name: str):
+    self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+    self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+    self._thread.start()
+
+  def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    self._tasks.put((future, fn, args))
+    return future
+
+  def _serve(self) -> None:
+    while (task := self._tasks.get()) is not None:
+      future, fn, args = task
+      if future.set_running_or_notify_cancel():
+        try:
+          future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - its caller's to raise
+          future.set_exception(e)
+
+  def shutdown(self, wait: bool) -> None:
+    """Those not begun cancelled, the thread let go; with `wait`, joined (it is idle: every
+    task was waited for) for at most DISK_WAIT_SECS."""
+    with contextlib.suppress(queue.Empty):
+      while True:
+        self._tasks.get_nowait()[0].cancel()
+    self._tasks.put(None)
+    if wait:
+      self._thread.join(DISK_WAIT_SECS)
 
 
 class Landing:
