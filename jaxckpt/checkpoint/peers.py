@@ -33,8 +33,8 @@ still hold the bytes between them:
 Each process then restores from its own step directory as from any other, reading only the byte
 ranges its devices need. The `Group` waits are bounded by its timeout, and every process waits
 at one before the collectives (the one before the sends also for the slowest read of the
-remote, at `FETCH_FLOOR`, which that reader gives up first, sending zeros to the end as for
-a hung disk; the wait for process 0's word while it reads the remote checkpoint's
+remote, at `FETCH_FLOOR`, which that reader gives up half the timeout sooner, sending zeros to
+the end as for a hung disk; the wait for process 0's word while it reads the remote checkpoint's
 own files, for those bytes at the same rate), so a process that never comes is named; a
 process lost in the middle of a collective, which has no timeout, is seen by the job's own
 heartbeats.
@@ -46,6 +46,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -224,7 +225,7 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
 
 def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: multihost.Group,
               remote: Remote | None, disk: Disk) -> Restored:
-  me, step = group.index, plan['step']
+  me, step, t0 = group.index, plan['step'], time.monotonic()
   final = ckpt_dir / layout.step_dirname(step)
   have = me == 0 or bool(mine) or manifest.seal_of(_read(final / layout.MANIFEST)) == plan['seal']
   work = final if have else layout.temporary_dir(ckpt_dir, step)
@@ -272,12 +273,13 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
   load: dict[int, int] = {}  # the bytes each process reads from the remote, which the rest wait for
   for rel, k in moves.reads.items():
     load[k] = load.get(k, 0) + plan['files'][rel]['size']
-  if reads:  # given up before the others stop waiting for it: it then sends zeros to the end
+  if reads:  # given up half the timeout before the others stop waiting for it (they came
+    # here no sooner than this process began), then zeros sent to the end
     more = f' and {len(reads) - 1} more' if len(reads) > 1 else ''
     sources['remote'] = local(
         lambda: remote.fetch(step, reads, work, plan['files']),
         f'reading {reads[0]}{more} of step {step} from the remote into {work}',
-        min(diskwork.DISK_WAIT_SECS, group.timeout_secs / 2) + load[me] / FETCH_FLOOR) or 0
+        max(0.0, group.timeout_secs / 2 + load[me] / FETCH_FLOOR - (time.monotonic() - t0))) or 0
   gate(
       'sends', f'the sends of step {step}' + (f' after process(es) {sorted(load)} read '
                                               f'{sum(load.values()) / 1e6:.1f} MB of it from the '
