@@ -3,8 +3,9 @@
     python -m benchmarks.peer_plan [--processes=8,64,256,1024] [--layouts=data,fsdp]
 
 Process 0 builds the plan (`peerplan.build`: who sends which part to whom) and every process
-fetches it whole from the coordinator's key-value store, then reads its moves and puts them in
-rounds (`peerplan.moves_of`, `sends.rounds`). No job of 1024 processes runs here: the
+gets it whole, then reads its moves and puts them in rounds (`peerplan.moves_of`,
+`sends.rounds`). The plan goes to the others over the interconnect (`spreads.share`); the
+coordinator's key-value store carries its size and CRC-32 to each. No job of 1024 processes runs here: the
 checkpoint is synthetic (a manifest and a shard table on this machine's disk, as
 `benchmarks.manifest_scale` lays them out) and so is the target's sharding (which process's
 devices hold which box). Layouts:
@@ -17,8 +18,8 @@ devices hold which box). Layouts:
 
 Scenarios: `lost`, host 1's disk wiped, one replica each (a process holds its own part and the
 one before it on the ring); `fresh`, every disk wiped but process 0's own files, the remote
-holding the checkpoint. Columns: the plan's bytes, what the coordinator serves (the plan to
-every other process), process 0's time to build it, one process's time to read it and make
+holding the checkpoint. Columns: the plan's bytes, what the coordinator serves (the plan's
+size and CRC-32 to every other process; the plan itself before), process 0's time to build it, one process's time to read it and make
 the rounds, and the sends: point to point (in rounds), and to several processes at once, whole
 parts and subsets. Prints a table, writes benchmarks/results/peer_plan.json.
 """
@@ -36,10 +37,11 @@ from benchmarks.common import print_table, write_results
 from jaxckpt.checkpoint import atomic, layout, manifest, peerplan, sends, shardtable, statefile
 
 TREES = {'data': '70b', 'fsdp': '120m'}
+SIZED = {'bytes': 193_000, 'crc32': '00000000'}  # the word the coordinator carries of a plan
 OWN = [layout.MANIFEST, shardtable.SHARDS, layout.RUN_STATE]
 COLUMNS = [
-    'layout', 'scenario', 'processes', 'plan_kb', 'coordinator_mb', 'build_s', 'read_s', 'pairs',
-    'rounds', 'spread_parts', 'spread_subsets'
+    'layout', 'scenario', 'processes', 'plan_kb', 'coordinator_mb', 'coordinator_mb_before',
+    'build_s', 'read_s', 'pairs', 'rounds', 'spread_parts', 'spread_subsets'
 ]
 
 
@@ -105,10 +107,11 @@ def measure(kind: str, scenario: str, processes: int, root: Path) -> dict:
   read_s = time.perf_counter() - t0
   return {
       'layout': kind, 'scenario': scenario, 'processes': processes, 'plan_kb': len(word) / 1e3,
-      'coordinator_mb': len(word) * (processes - 1) / 1e6, 'build_s': build_s, 'read_s': read_s,
-      'pairs': len(moves.pairs), 'rounds': len(rounds),
-      'spread_parts': sum(t is None for *_, t in moves.spreads),
-      'spread_subsets': sum(t is not None for *_, t in moves.spreads)
+      'coordinator_mb': len(json.dumps(SIZED)) * (processes - 1) / 1e6,
+      'coordinator_mb_before': len(word) * (processes - 1) / 1e6, 'build_s': build_s,
+      'read_s': read_s, 'pairs': len(moves.pairs), 'rounds': len(rounds),
+      'spread_parts': sum(t is None for *_, t in moves.spreads
+                         ), 'spread_subsets': sum(t is not None for *_, t in moves.spreads)
   }
 
 

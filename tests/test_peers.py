@@ -146,6 +146,15 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   if '-fetchhang' in cmd:  # a read of the remote is given up at half the group's timeout
     timeout = 8
     multihost.Group(60).sync('ready', 'every process ready')  # none late from start-up
+  from jaxckpt.checkpoint import traffic
+  kv, build, planned = traffic.count_traffic(), peerplan.build, [0]
+
+  def measured(*a):  # process 0's plan, its size as JSON
+    plan = build(*a)
+    planned[0] = len(json.dumps(plan)) if plan else 0
+    return plan
+
+  peerplan.build = measured
   collectives = {'rounds': 0, 'spreads': 0}  # how the parts moved: counted, then done as ever
   for name, real in (('rounds', sends._round), ('spreads', spreads.spread)):
 
@@ -170,6 +179,7 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   if got is None:
     print('RESULT null', flush=True)
     return
+  collectives.update(plan=planned[0], kv_received=kv.snapshot()['received'])
   mgr = CheckpointManager(directory, CheckpointOptions(barrier_timeout_secs=60))
   state, _ = mgr.restore(got.path, target)
   for name, x in state.items():
@@ -389,7 +399,8 @@ def test_a_part_every_other_process_lacks_goes_to_all_of_them_in_one_collective(
   devices): each process reads its own part from the remote, and both others need all of it.
   Each part goes to them together, one broadcast per window, compiled once, not in rounds of
   point-to-point sends (N - 1 rounds, each a collective compiled for its own pairs). Every host
-  then holds every part, byte-identical."""
+  then holds every part, byte-identical. The plan, which lists every part, comes to the others
+  over the interconnect too, not out of the coordinator's key-value store N - 1 times."""
   shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   url, whole = _uploaded_and_wiped(tmp_path, s3_server)
   results = _results(_run(tmp_path, compile_cache, 'restore-dp', url, '10'))
@@ -398,6 +409,10 @@ def test_a_part_every_other_process_lacks_goes_to_all_of_them_in_one_collective(
   sizes = [(whole / 'state' / f'process_{k}.safetensors').stat().st_size for k in range(COUNT)]
   assert [r['remote'] for r in results] == sizes
   assert [r['peers'] for r in results] == [sum(sizes) - sizes[k] for k in range(COUNT)]
+  # Process 0's plan (it grows with the processes) goes to the others over the interconnect:
+  # each reads less of the key-value store than the plan's size, however many processes.
+  assert results[0]['plan'] > 0 and [r['kv_received'] < results[0]['plan'] for r in results[1:]
+                                    ] == [True] * (COUNT - 1), results
   for j in range(COUNT):
     for k in range(COUNT):
       assert (_state(tmp_path, j, 10) / f'process_{k}.safetensors').read_bytes() == \

@@ -125,6 +125,31 @@ def restore_dir(ckpt_dir: Path,
                             'fix what it names on process 0, then start every process again')
     return word
 
+  def shared(name: str, fn: Callable[[], Any]) -> Any:
+    """`decide`, its word (process 0's plan: it grows with the processes) sent to every process
+    over the interconnect: the coordinator carries its size and CRC-32 alone, not the plan N - 1
+    times."""
+    made: list[Any] = []
+
+    def sized() -> dict[str, Any] | None:
+      made.append(fn())
+      raw = json.dumps(made[0]).encode() if made[0] is not None else b''
+      made.append(raw)
+      return None if made[0] is None else {'bytes': len(raw), 'crc32': f'{checksum.crc32(raw):08x}'}
+
+    word = decide(name, sized)
+    if word is None:
+      return None
+    group.collect(f'{name}/in', what, '', fix=AGAIN)  # every process here, then the collective
+    raw, _ = spreads.share(made[1] if group.leader else None, word['bytes'])
+    if group.leader:
+      return made[0]
+    if f'{checksum.crc32(raw):08x}' != word['crc32'] or len(raw) != word['bytes']:
+      raise CheckpointError(
+          'E-CKPT-016', f'the plan of {what} arrived from process 0 damaged ({len(raw)} bytes, '
+          f'crc32 {checksum.crc32(raw):08x}; it sent {word["bytes"]}, {word["crc32"]})', AGAIN)
+    return json.loads(raw)
+
   def choose(name: str) -> dict[str, Any] | None:
     word = _next(ckpt_dir, views, remote, tried)
     if word is None and remote is not None and remote.meta is not None and \
@@ -183,7 +208,7 @@ def restore_dir(ckpt_dir: Path,
         json.dumps(mine),
         timeout_secs=group.timeout_secs + word.get('check', 0) / CHECK_FLOOR,
         fix=AGAIN)
-    plan = decide(f'peers/plan/{round_}', lambda: plan_for(step, seal, intact))
+    plan = shared(f'peers/plan/{round_}', lambda: plan_for(step, seal, intact))
     if plan is not None:
       return _carry_out(ckpt_dir, plan, mine, group, remote)
   return None
@@ -306,29 +331,39 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
   # The last file received may be a large one whose fsync is waited for longer (`diskwork`):
   # a process whose disk hangs there comes that much later, and says so.
   largest = max((f['size'] for f in plan['files'].values()), default=0)
-  said = group.sync(
+  said = group.collect(
       f'peers/done/{step}',
       f'a restore of step {step} from the peers',
       cause,
       fix=AGAIN,
       timeout_secs=group.timeout_secs + diskwork.DISK_WAIT_SECS +
       largest / diskwork.DISK_BYTES_PER_SEC)
-  failed = [(k, p) for k, p in enumerate(said) if p]
-  cause = _cause([p for _, p in failed])
+  # Process 0 reads what each said, and says what failed in one word to all.
+  if group.leader:
+    failed = [(k, p) for k, p in enumerate(said) if p]
+    hung = [(k, p) for k, p in failed if HUNG in p]
+    verdict = {
+        'failed': [k for k, _ in failed], 'cause': _cause([p for _, p in failed]),
+        'hung': [k for k, _ in hung], 'hang': hung[0][1] if hung else ''
+    }
+    group.announce(f'peers/done/{step}', json.dumps(verdict))
+  else:
+    verdict = json.loads(
+        group.await_word(f'peers/done/{step}', f'a restore of step {step} from the peers', AGAIN))
+  failed, hung = verdict['failed'], verdict['hung']
   if failed:
     if not have and not disk.stuck:  # a hung disk: the next restart removes it
       import shutil  # pylint: disable=import-outside-toplevel
       shutil.rmtree(work, ignore_errors=True)
-    hung = [(k, p) for k, p in failed if HUNG in p]
     if hung:  # no falling back to a download: that host would hang in it
       raise CheckpointError(
           'E-CKPT-023', f'the restore of step {step} from the peers stopped: a disk hung on '
-          f'process(es) {[k for k, _ in hung]}: {hung[0][1]}', 'check the disk of that host (a '
+          f'process(es) {hung}: {verdict["hang"]}', 'check the disk of that host (a '
           'hung mount; its own process exits without the stuck thread), or its network where '
           'it hung reading the remote, then start every process again')
     raise CheckpointError(
         'E-CKPT-016', f'the restore of step {step} from the peers failed on process(es) '
-        f'{[k for k, _ in failed]}: {cause}', 'fix that host (its disk, its access to '
+        f'{failed}: {verdict["cause"]}', 'fix that host (its disk, its access to '
         'the remote) and restart the job: each part is checked again')
   return Restored(final, step, sources)
 

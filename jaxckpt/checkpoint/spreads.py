@@ -59,6 +59,21 @@ def broadcast(source: Path | None,
   return (b''.join(got) if receive else None), problem
 
 
+def share(data: bytes | None, size: int) -> tuple[bytes, str | None]:
+  """`size` bytes that one process holds in memory (`data`; None on the others) to every process
+  at once, as `broadcast` sends a file: (the bytes, for the caller to check; this process's
+  problem or None). Every process calls it with the same `size`."""
+  got = []
+
+  def fill(view: memoryview, lo: int) -> None:
+    view[:] = data[lo:lo + len(view)]
+
+  with Disk() as disk:  # its threads copy the windows here: no disk work
+    problem = _broadcast(size, fill if data is not None else None, data is not None,
+                         lambda _, out: got.append(out.tobytes()), disk, 'copying', 'keeping')
+  return b''.join(got), problem
+
+
 def spread(source: Path | None,
            tensors: sends.Tensors | None,
            into: Path | None,
@@ -179,4 +194,4 @@ def _kept(disk: Disk, write: Task, problem: str | None) -> str | None:
   return problem
 
 
-__all__ = ['broadcast', 'spread']
+__all__ = ['broadcast', 'share', 'spread']
