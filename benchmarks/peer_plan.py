@@ -18,8 +18,9 @@ devices hold which box). Layouts:
 
 Scenarios: `lost`, host 1's disk wiped, one replica each (a process holds its own part and the
 one before it on the ring); `fresh`, every disk wiped but process 0's own files, the remote
-holding the checkpoint. Columns: the plan's bytes, what the coordinator serves (the plan's
-size and CRC-32 to every other process; the plan itself before), process 0's time to build it, one process's time to read it and make
+holding the checkpoint. Columns: the plan's bytes, what the coordinator serves the other
+processes of what grows with N (the plan's size and CRC-32, and the verdict at the end; before,
+the plan itself and every process's word at the end), process 0's time to build it, one process's time to read it and make
 the rounds, and the sends: point to point (in rounds), and to several processes at once, whole
 parts and subsets. Prints a table, writes benchmarks/results/peer_plan.json.
 """
@@ -37,7 +38,11 @@ from benchmarks.common import print_table, write_results
 from jaxckpt.checkpoint import atomic, layout, manifest, peerplan, sends, shardtable, statefile
 
 TREES = {'data': '70b', 'fsdp': '120m'}
-SIZED = {'bytes': 193_000, 'crc32': '00000000'}  # the word the coordinator carries of a plan
+# What a process other than 0 reads of the key-value store in a restore that grows with N:
+# the plan's size and CRC-32 and the verdict at the end (`peers.restore_dir`); before, the plan
+# itself and every process's word at the end (a directory of N keys).
+SIZED = {'bytes': 193_000, 'crc32': '00000000'}
+VERDICT = {'failed': [], 'cause': '', 'hung': [], 'hang': ''}
 OWN = [layout.MANIFEST, shardtable.SHARDS, layout.RUN_STATE]
 COLUMNS = [
     'layout', 'scenario', 'processes', 'plan_kb', 'coordinator_mb', 'coordinator_mb_before',
@@ -106,12 +111,21 @@ def measure(kind: str, scenario: str, processes: int, root: Path) -> dict:
   rounds = sends.rounds(moves.pairs)
   read_s = time.perf_counter() - t0
   return {
-      'layout': kind, 'scenario': scenario, 'processes': processes, 'plan_kb': len(word) / 1e3,
-      'coordinator_mb': len(json.dumps(SIZED)) * (processes - 1) / 1e6,
-      'coordinator_mb_before': len(word) * (processes - 1) / 1e6, 'build_s': build_s,
-      'read_s': read_s, 'pairs': len(moves.pairs), 'rounds': len(rounds),
-      'spread_parts': sum(t is None for *_, t in moves.spreads
-                         ), 'spread_subsets': sum(t is not None for *_, t in moves.spreads)
+      'layout':
+          kind, 'scenario':
+              scenario, 'processes':
+                  processes, 'plan_kb':
+                      len(word) / 1e3,
+      'coordinator_mb': (len(json.dumps(SIZED)) + len(json.dumps(VERDICT))) * (processes - 1) / 1e6,
+      'coordinator_mb_before':
+          (len(word) + sum(len(f'jaxckpt/group/0/peers/done/1/part/{k}') for k in range(processes)))
+          * (processes - 1) / 1e6, 'build_s':
+              build_s, 'read_s':
+                  read_s, 'pairs':
+                      len(moves.pairs), 'rounds':
+                          len(rounds), 'spread_parts':
+                              sum(t is None for *_, t in moves.spreads), 'spread_subsets':
+                                  sum(t is not None for *_, t in moves.spreads)
   }
 
 

@@ -45,7 +45,9 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   array whole on every process (data parallel); `-flip` (save): process
   2's replica of step 10 differs from its owner's part; `-hang`: process 2's disk hangs in a
   write of what it receives; `-fetchhang`: its read of its part from the remote hangs, and the
-  group waits 8 s. A restore's RESULT counts its rounds of
+  group waits 8 s; `-garbled`: process 0's plan arrives damaged on process 1 (the group waits
+  8 s); `-short`: the store answers process 0 with one word too few at the restore's end. A
+  restore's RESULT counts its rounds of
   point-to-point sends and its subsets spread to several processes at once."""
   specs, slow = SPLIT if '-split' in cmd else SPECS, '-slow' in cmd
   import jax
@@ -115,6 +117,17 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
       return send(source, size, receive, disk)
 
     spreads.broadcast = broadcast
+  if '-garbled' in cmd:  # process 0's plan arrives damaged on process 1; the group waits 8 s
+    timeout = 8
+    multihost.Group(60).sync('ready', 'every process ready')  # none late from start-up
+    if process == 1:
+      share = spreads.share
+      spreads.share = lambda data, size: (b'x' + share(data, size)[0][1:], None)
+  if '-short' in cmd and process == 0:  # the store answers it short at the restore's end
+    posted = multihost.Group._posted
+    multihost.Group._posted = lambda self, name, kind: dict(
+        list(posted(self, name, kind).items())[:-1]
+        if name.startswith('peers/done') else posted(self, name, kind))
   if '-eio' in cmd and process == 0:  # its disk fails while it plans the restore
 
     def plan(*_):
@@ -537,6 +550,37 @@ def test_process_0_failing_to_plan_stops_every_process_at_once(tmp_path, compile
   for text in _run(tmp_path, compile_cache, 'restore-eio', code=3):
     assert 'E-CKPT-016: process 0 could not decide a restore from the peers: OSError: ' \
         '[Errno 5] Input/output error' in text, text[-2000:]
+
+
+def test_a_plan_that_arrives_damaged_stops_every_process_and_none_falls_back(
+    tmp_path, compile_cache, saved_10):
+  """Process 0's plan goes to the others in a collective, checked against the size and CRC-32
+  it announced: where it arrives damaged, that process stops with E-DIST-003 (not E-CKPT-016,
+  on which the trainer would have it alone download the remote's newest) and the others stop at
+  their next wait, naming it."""
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  shutil.rmtree(tmp_path / 'host1')  # a replacement machine: the others send it its part
+  texts = _run(tmp_path, compile_cache, 'restore-garbled', code=3)
+  assert re.search(
+      r'ERROR E-DIST-003: the plan of a restore from the peers arrived from process '
+      r'0 damaged \(\d+ bytes, crc32 [0-9a-f]{8}; it sent \d+, [0-9a-f]{8}\)',
+      texts[1]), texts[1][-2000:]
+  for text in texts[0], texts[2]:
+    assert re.search(r'ERROR E-DIST-002: .*process\(es\) \[1\] of 3 did not arrive', text), \
+        text[-2000:]
+
+
+def test_a_store_that_answers_short_at_the_end_of_a_restore_fails_it_on_every_process(
+    tmp_path, compile_cache, saved_10):
+  """Process 0 reads what each process said at the end of the restore, and tells the others:
+  when the key-value store answers with fewer words than processes, whose problem is missing is
+  not known, and every process stops with E-CKPT-016 (not a restore taken as whole)."""
+  shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
+  shutil.rmtree(tmp_path / 'host1')
+  for text in _run(tmp_path, compile_cache, 'restore-short', code=3):
+    assert "E-CKPT-016: the restore of step 10 from the peers failed on process(es) [0, 1, 2]: " \
+        "the key-value store answered with 2 of 3 processes' words on the restore" in text, \
+        text[-2000:]
 
 
 def test_a_host_that_cannot_write_what_it_is_sent_stops_every_process_together(

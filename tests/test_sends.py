@@ -356,3 +356,12 @@ def test_a_process_whose_disk_hung_exits_without_waiting_for_the_stuck_thread():
   assert out.stdout.splitlines() == [
       'writing part: not done after a wait of 0.2 s (thread jaxckpt-receive); a hung disk?', 'done'
   ]
+
+
+def test_a_disk_task_handed_over_after_the_disk_was_left_is_refused_at_once():
+  """Its thread was let go: the task would never run, and waiting for it would call the disk
+  hung after DISK_WAIT_SECS."""
+  with diskwork.Disk() as disk:
+    assert disk.run('t', 'reading a', lambda: 'done') == 'done'
+  with pytest.raises(RuntimeError, match='after it was let go'):
+    disk.run('t', 'reading b', lambda: 'done')

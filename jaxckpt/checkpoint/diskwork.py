@@ -147,10 +147,13 @@ class _Worker:
 
   def __init__(self, name: str):
     self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+    self._closed = False
     self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
     self._thread.start()
 
   def submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+    if self._closed:  # it would never run: said at once, not waited out as a hung disk
+      raise RuntimeError(f'{self._thread.name}: a task handed to it after it was let go')
     future: concurrent.futures.Future = concurrent.futures.Future()
     self._tasks.put((future, fn, args))
     return future
@@ -167,6 +170,7 @@ class _Worker:
   def shutdown(self, wait: bool) -> None:
     """Those not begun cancelled, the thread let go; with `wait`, joined (it is idle: every
     task was waited for) for at most DISK_WAIT_SECS."""
+    self._closed = True
     with contextlib.suppress(queue.Empty):
       while True:
         self._tasks.get_nowait()[0].cancel()

@@ -145,8 +145,10 @@ def restore_dir(ckpt_dir: Path,
     if group.leader:
       return made[0]
     if f'{checksum.crc32(raw):08x}' != word['crc32'] or len(raw) != word['bytes']:
+      # Not E-CKPT-016, on which the trainer falls back to a download: this process alone
+      # raises it; the others stop at their next wait, naming it.
       raise CheckpointError(
-          'E-CKPT-016', f'the plan of {what} arrived from process 0 damaged ({len(raw)} bytes, '
+          'E-DIST-003', f'the plan of {what} arrived from process 0 damaged ({len(raw)} bytes, '
           f'crc32 {checksum.crc32(raw):08x}; it sent {word["bytes"]}, {word["crc32"]})', AGAIN)
     return json.loads(raw)
 
@@ -250,7 +252,7 @@ def _carry_out(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: 
 
 def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: multihost.Group,
               remote: Remote | None, disk: Disk) -> Restored:
-  me, step, t0 = group.index, plan['step'], time.monotonic()
+  me, step, t0 = group.index, plan['step'], time.monotonic()  # the others wait no sooner
   final = ckpt_dir / layout.step_dirname(step)
   have = me == 0 or bool(mine) or manifest.seal_of(_read(final / layout.MANIFEST)) == plan['seal']
   work = final if have else layout.temporary_dir(ckpt_dir, step)
@@ -293,13 +295,14 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
       local(
           lambda got=got, name=name: _write_own(work / name, got, plan['own'][name], step),
           f'writing {work / name}')
+  t0 = time.monotonic() if meta_to else t0  # every process leaves the last collective together
   moves = peerplan.moves_of(plan)
   reads = [rel for rel, k in moves.reads.items() if k == me]
   load: dict[int, int] = {}  # the bytes each process reads from the remote, which the rest wait for
   for rel, k in moves.reads.items():
     load[k] = load.get(k, 0) + plan['files'][rel]['size']
-  if reads:  # given up half the timeout before the others stop waiting for it (they came
-    # here no sooner than this process began), then zeros sent to the end
+  if reads:  # given up half the timeout before the others stop waiting for it (they come to
+    # that wait no sooner than `t0`), then zeros sent to the end
     more = f' and {len(reads) - 1} more' if len(reads) > 1 else ''
     sources['remote'] = local(
         lambda: remote.fetch(step, reads, work, plan['files']),
@@ -341,6 +344,9 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
   # Process 0 reads what each said, and says what failed in one word to all.
   if group.leader:
     failed = [(k, p) for k, p in enumerate(said) if p]
+    if len(said) != group.count:  # the store answered short: whose word is missing is not known
+      failed = [(k, f"the key-value store answered with {len(said)} of {group.count} processes' "
+                 'words on the restore') for k in range(group.count)]
     hung = [(k, p) for k, p in failed if HUNG in p]
     verdict = {
         'failed': [k for k, _ in failed], 'cause': _cause([p for _, p in failed]),
