@@ -46,7 +46,8 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
   2's replica of step 10 differs from its owner's part; `-hang`: process 2's disk hangs in a
   write of what it receives; `-fetchhang`: its read of its part from the remote hangs, and the
   group waits 8 s; `-garbled`: process 0's plan arrives damaged on process 1 (the group waits
-  8 s); `-short`: the store answers process 0 with one word too few at the restore's end. A
+  8 s); `-short`: the store answers process 0 without process 2's word at the restore's end
+  (`-shortheld`: at its start; the group waits 8 s). A
   restore's RESULT counts its rounds of
   point-to-point sends and its subsets spread to several processes at once."""
   specs, slow = SPLIT if '-split' in cmd else SPECS, '-slow' in cmd
@@ -123,11 +124,15 @@ def worker(cmd: str, process: int, coordinator: str, root: str, *rest: str):
     if process == 1:
       share = spreads.share
       spreads.share = lambda data, size: (b'x' + share(data, size)[0][1:], None)
-  if '-short' in cmd and process == 0:  # the store answers it short at the restore's end
+  if '-short' in cmd:  # the store answers process 0 short at the restore's end; waits of 8 s
+    timeout = 8
+    multihost.Group(60).sync('ready', 'every process ready')  # none late from start-up
+  if '-short' in cmd and process == 0:
     posted = multihost.Group._posted
+    where = 'peers/held' if '-shortheld' in cmd else 'peers/done'
     multihost.Group._posted = lambda self, name, kind: dict(
         list(posted(self, name, kind).items())[:-1]
-        if name.startswith('peers/done') else posted(self, name, kind))
+        if name.startswith(where) else posted(self, name, kind))
   if '-eio' in cmd and process == 0:  # its disk fails while it plans the restore
 
     def plan(*_):
@@ -570,17 +575,23 @@ def test_a_plan_that_arrives_damaged_stops_every_process_and_none_falls_back(
         text[-2000:]
 
 
-def test_a_store_that_answers_short_at_the_end_of_a_restore_fails_it_on_every_process(
-    tmp_path, compile_cache, saved_10):
-  """Process 0 reads what each process said at the end of the restore, and tells the others:
-  when the key-value store answers with fewer words than processes, whose problem is missing is
-  not known, and every process stops with E-CKPT-016 (not a restore taken as whole)."""
+@pytest.mark.parametrize(
+    'cmd,what', [('restore-short', 'a restore of step 10 from the peers'),
+                 ('restore-shortheld', 'a restore from the peers')],
+    ids=['at its end', 'at its start'])
+def test_a_store_that_answers_process_0_short_stops_every_process_naming_whose_word_is_missing(
+    tmp_path, compile_cache, saved_10, cmd, what):
+  """Process 0 reads what each process posts (what it holds, at the start; what went wrong, at
+  the end): when the key-value store answers it without one process's word, it says whose (a
+  shorter list would have each word taken for another process's: another host's parts, or a
+  failed restore read as whole), and the others stop on its silence."""
   shutil.copytree(saved_10, tmp_path, dirs_exist_ok=True)  # a copy of its own to change
   shutil.rmtree(tmp_path / 'host1')
-  for text in _run(tmp_path, compile_cache, 'restore-short', code=3):
-    assert "E-CKPT-016: the restore of step 10 from the peers failed on process(es) [0, 1, 2]: " \
-        "the key-value store answered with 2 of 3 processes' words on the restore" in text, \
-        text[-2000:]
+  texts = _run(tmp_path, compile_cache, cmd, code=3)
+  assert f'ERROR E-DIST-002: {what}: the key-value store answered without the word(s) of ' \
+      'process(es) [2] of 3' in texts[0], texts[0][-2000:]
+  for text in texts[1:]:
+    assert f'ERROR E-DIST-002: {what}: no word from process 0' in text, text[-2000:]
 
 
 def test_a_host_that_cannot_write_what_it_is_sent_stops_every_process_together(

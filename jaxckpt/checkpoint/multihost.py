@@ -143,7 +143,9 @@ class Group:
     when `everyone`) gets them all, in process order; the others None, having read nothing but
     the barrier's answer (their cost stays flat in the process count). E-DIST-002, on every
     process, names the processes that did not arrive within the timeout (the group's, or
-    `timeout_secs` for a wait sized by the work before it), and `fix`."""
+    `timeout_secs` for a wait sized by the work before it), and `fix`; on a process that reads
+    them, the processes whose word the store left out (never a list of fewer, in which each
+    word would be taken for another process's)."""
     timeout_secs = self.timeout_secs if timeout_secs is None else timeout_secs
     self._client.key_value_set(
         f'{self.prefix}/{name}/part/{self.index}', payload, allow_overwrite=True)
@@ -157,7 +159,13 @@ class Group:
           f'within {timeout_secs:g} s ({" ".join(str(e).split())[:160]})', fix) from None
     if not (everyone or self.leader):
       return None
-    return [v for _, v in sorted(self._posted(name, 'part').items())]
+    posted = self._posted(name, 'part')
+    missing = sorted(set(range(self.count)) - set(posted))
+    if missing:  # every process posted before the barrier: a store that answers short
+      raise CheckpointError(
+          'E-DIST-002', f'{what}: the key-value store answered without the word(s) of '
+          f'process(es) {missing[:20]} of {self.count}', fix)
+    return [posted[k] for k in range(self.count)]
 
   def _posted(self, name: str, kind: str) -> dict[int, str]:
     try:

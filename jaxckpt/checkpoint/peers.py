@@ -344,9 +344,6 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
   # Process 0 reads what each said, and says what failed in one word to all.
   if group.leader:
     failed = [(k, p) for k, p in enumerate(said) if p]
-    if len(said) != group.count:  # the store answered short: whose word is missing is not known
-      failed = [(k, f"the key-value store answered with {len(said)} of {group.count} processes' "
-                 'words on the restore') for k in range(group.count)]
     hung = [(k, p) for k, p in failed if HUNG in p]
     verdict = {
         'failed': [k for k, _ in failed], 'cause': _cause([p for _, p in failed]),
