@@ -388,6 +388,10 @@ def test_beside_meanwhile_each_window_is_placed_as_it_is_read(tmp_path, monkeypa
   real_put = getattr(module, name)
 
   def put(*args, **kwargs):  # the real placement, watched: on which thread, and when
+    # A read beside meanwhile waits here for it to begin (the reader may reach its first window
+    # before the caller calls it); a read done before meanwhile would wait out the 60 s, then
+    # be seen placing outside it.
+    running.wait(60)
     placed.append((threading.current_thread().name, running.is_set()))
     return real_put(*args, **kwargs)
 
