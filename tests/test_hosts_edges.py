@@ -66,7 +66,7 @@ def _resume(monkeypatch, posted: list[str] | None, count: int = 2):
     def __init__(self, timeout_secs):
       self.count = count
 
-    def collect(self, name, what, payload):
+    def collect(self, name, what, payload, **_):
       return posted
 
   got = SimpleNamespace(step=5, sources=dict(GOOD), path=Path('/nowhere/5'))

@@ -51,6 +51,9 @@ def client():
   return traffic.counted(global_state.client)
 
 
+_LOST = "the coordinator's key-value store failed or lost keys: start every process again"
+
+
 class Group:
   """The processes of one job, as one of them sees them, saving into one checkpoint directory.
 
@@ -138,17 +141,21 @@ class Group:
               *,
               everyone: bool = False,
               timeout_secs: float | None = None,
-              fix: str = 'they stopped, were lost or are far behind; nothing was committed'):
+              fix: str = 'they stopped, were lost or are far behind; nothing was committed',
+              read: bool = True,
+              strict: bool = True):
     """Post `payload` and wait until every process has posted its own: process 0 (every process
     when `everyone`) gets them all, in process order; the others None, having read nothing but
     the barrier's answer (their cost stays flat in the process count). E-DIST-002, on every
     process, names the processes that did not arrive within the timeout (the group's, or
-    `timeout_secs` for a wait sized by the work before it), and `fix`; on a process that reads
-    them, the processes whose word the store left out (never a list of fewer, in which each
-    word would be taken for another process's)."""
+    `timeout_secs` for a wait sized by the work before it), and `fix`. `read=False`: a barrier
+    alone (nothing posted, nothing read, None on every process). A process that reads them and
+    finds some not there raises E-DIST-002 naming whose (never a list of fewer, in which each
+    would be taken for another process's); `strict=False`: it gets None for each instead."""
     timeout_secs = self.timeout_secs if timeout_secs is None else timeout_secs
-    self._client.key_value_set(
-        f'{self.prefix}/{name}/part/{self.index}', payload, allow_overwrite=True)
+    if read:
+      self._client.key_value_set(
+          f'{self.prefix}/{name}/part/{self.index}', payload, allow_overwrite=True)
     self._client.key_value_set(f'{self.prefix}/{name}/here/{self.index}', '', allow_overwrite=True)
     try:
       self._client.wait_at_barrier(f'{self.prefix}/{name}', int(timeout_secs * 1000))
@@ -157,15 +164,24 @@ class Group:
       raise CheckpointError(
           'E-DIST-002', f'{what}: process(es) {late or "?"} of {self.count} did not arrive '
           f'within {timeout_secs:g} s ({" ".join(str(e).split())[:160]})', fix) from None
-    if not (everyone or self.leader):
+    if not read or not (everyone or self.leader):
       return None
-    posted = self._posted(name, 'part')
+    try:
+      found = self._client.key_value_dir_get(f'{self.prefix}/{name}/part/')
+      posted = {int(k.rsplit('/', 1)[1]): v for k, v in found}
+    except Exception as e:  # pylint: disable=broad-except  # the runtime's own error types
+      if strict:
+        raise CheckpointError(
+            'E-DIST-002', f'{what}: every process arrived, but reading their words from the '
+            f'key-value store failed ({" ".join(str(e).split())[:160]})', _LOST) from None
+      posted = {}
     missing = sorted(set(range(self.count)) - set(posted))
-    if missing:  # every process posted before the barrier: a store that answers short
+    if missing and strict:  # every process posted before the barrier: the store lost some
+      more = f' and {len(missing) - 20} more' if len(missing) > 20 else ''
       raise CheckpointError(
-          'E-DIST-002', f'{what}: the key-value store answered without the word(s) of '
-          f'process(es) {missing[:20]} of {self.count}', fix)
-    return [posted[k] for k in range(self.count)]
+          'E-DIST-002', f"{what}: every process arrived, but the key-value store's answer "
+          f'lacks the word(s) of process(es) {missing[:20]}{more} of {self.count}', _LOST)
+    return [posted.get(k) for k in range(self.count)]
 
   def _posted(self, name: str, kind: str) -> dict[int, str]:
     try:

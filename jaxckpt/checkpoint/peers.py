@@ -140,7 +140,7 @@ def restore_dir(ckpt_dir: Path,
     word = decide(name, sized)
     if word is None:
       return None
-    group.collect(f'{name}/in', what, '', fix=AGAIN)  # every process here, then the collective
+    group.collect(f'{name}/in', what, '', fix=AGAIN, read=False)  # all here: the collective
     raw, _ = spreads.share(made[1] if group.leader else None, word['bytes'])
     if group.leader:
       return made[0]
@@ -149,7 +149,8 @@ def restore_dir(ckpt_dir: Path,
       # raises it; the others stop at their next wait, naming it.
       raise CheckpointError(
           'E-DIST-003', f'the plan of {what} arrived from process 0 damaged ({len(raw)} bytes, '
-          f'crc32 {checksum.crc32(raw):08x}; it sent {word["bytes"]}, {word["crc32"]})', AGAIN)
+          f'crc32 {checksum.crc32(raw):08x}; it sent {word["bytes"]}, {word["crc32"]})',
+          'start every process again: the plan is made and sent again')
     return json.loads(raw)
 
   def choose(name: str) -> dict[str, Any] | None:
@@ -278,7 +279,8 @@ def _carry_on(ckpt_dir: Path, plan: Mapping[str, Any], mine: list[str], group: m
   def gate(name: str, what: str, timeout_secs: float | None = None) -> None:
     """Every process here before the collectives that follow: a bounded wait, naming who is
     not, where a collective has no timeout of its own."""
-    group.collect(f'peers/{name}/{step}', what, '', timeout_secs=timeout_secs, fix=AGAIN)
+    group.collect(
+        f'peers/{name}/{step}', what, '', timeout_secs=timeout_secs, fix=AGAIN, read=False)
 
   local(lambda: (work / layout.STATE_DIR).mkdir(parents=True, exist_ok=True), f'making {work}')
   raw = b''
