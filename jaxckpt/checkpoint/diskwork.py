@@ -4,8 +4,9 @@ Every process must take part in every window of every collective to the end, or 
 in one forever (a collective has no timeout of its own). So what a process does on its disk
 between and beside them (opening a part, reading the next window, writing the last one, the
 fsync and rename of a file received; a part read from the remote) runs on a thread of a `Disk`
-and is waited for at most DISK_WAIT_SECS, or the wait it is given. Past that the disk is stuck (a hung disk or mount): the process touches it no
-more, by any thread, sends zeros to the end, and names what hung. A file received goes in
+and is waited for at most DISK_WAIT_SECS, or the wait it is given. Past that the disk is stuck
+(a hung disk or mount): the process touches it no more, by any thread, sends zeros to the end,
+and names what hung. A file received goes in
 through a `Landing`: a temporary name, its CRC-32 as it comes, fsync, checks, rename.
 """
 
@@ -50,8 +51,8 @@ class Task(NamedTuple):
 class Disk:
   """One process's disk work beside the collectives of a restore from the peers (the windows
   read ahead of each collective, and written behind it), a thread for each kind, as a context.
-  `result` waits for a task at most its wait (by default DISK_WAIT_SECS): one not done then is stuck, a hung disk or
-  mount, and so is this process's disk from then on (`stuck` names what hung): no task runs on
+  `result` waits for a task at most its wait (by default DISK_WAIT_SECS): one not done then is
+  stuck, a hung disk or mount, and so is this process's disk from then on (`stuck` names what hung): no task runs on
   it, its callers do no more disk work on their own thread either (it would hang there, every
   other process waiting in the next collective) and send zeros to the last window, and neither
   leaving nor the process's exit waits for the threads."""

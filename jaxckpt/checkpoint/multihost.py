@@ -26,6 +26,7 @@ whatever process count and mesh wrote the checkpoint (`boxrestore`).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import math
@@ -160,15 +161,17 @@ class Group:
     try:
       self._client.wait_at_barrier(f'{self.prefix}/{name}', int(timeout_secs * 1000))
     except Exception as e:  # pylint: disable=broad-except  # the runtime's own error types
-      late = sorted(set(range(self.count)) - set(self._posted(name, 'here')))
+      here: dict[int, str] = {}
+      with contextlib.suppress(Exception):  # the runtime's own error types: named as unknown
+        here = self._posted(name, 'here')
+      late = sorted(set(range(self.count)) - set(here))
       raise CheckpointError(
           'E-DIST-002', f'{what}: process(es) {late or "?"} of {self.count} did not arrive '
           f'within {timeout_secs:g} s ({" ".join(str(e).split())[:160]})', fix) from None
     if not read or not (everyone or self.leader):
       return None
     try:
-      found = self._client.key_value_dir_get(f'{self.prefix}/{name}/part/')
-      posted = {int(k.rsplit('/', 1)[1]): v for k, v in found}
+      posted = self._posted(name, 'part')
     except Exception as e:  # pylint: disable=broad-except  # the runtime's own error types
       if strict:
         raise CheckpointError(
@@ -184,10 +187,8 @@ class Group:
     return [posted.get(k) for k in range(self.count)]
 
   def _posted(self, name: str, kind: str) -> dict[int, str]:
-    try:
-      found = self._client.key_value_dir_get(f'{self.prefix}/{name}/{kind}/')
-    except Exception:  # pylint: disable=broad-except
-      return {}
+    """{process: what it posted} of `kind` at `name`, as the store answers (its errors raised)."""
+    found = self._client.key_value_dir_get(f'{self.prefix}/{name}/{kind}/')
     return {int(k.rsplit('/', 1)[1]): v for k, v in found}
 
   def announce(self, name: str, word: str) -> None:

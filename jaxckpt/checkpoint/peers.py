@@ -129,21 +129,22 @@ def restore_dir(ckpt_dir: Path,
     """`decide`, its word (process 0's plan: it grows with the processes) sent to every process
     over the interconnect: the coordinator carries its size and CRC-32 alone, not the plan N - 1
     times."""
-    made: list[Any] = []
+    made: dict[str, Any] = {}  # process 0's: the plan, and its bytes
 
     def sized() -> dict[str, Any] | None:
-      made.append(fn())
-      raw = json.dumps(made[0]).encode() if made[0] is not None else b''
-      made.append(raw)
-      return None if made[0] is None else {'bytes': len(raw), 'crc32': f'{checksum.crc32(raw):08x}'}
+      plan = made['plan'] = fn()
+      if plan is None:
+        return None
+      raw = made['raw'] = json.dumps(plan).encode()
+      return {'bytes': len(raw), 'crc32': f'{checksum.crc32(raw):08x}'}
 
     word = decide(name, sized)
     if word is None:
       return None
     group.collect(f'{name}/in', what, '', fix=AGAIN, read=False)  # all here: the collective
-    raw, _ = spreads.share(made[1] if group.leader else None, word['bytes'])
+    raw, _ = spreads.share(made.get('raw'), word['bytes'])
     if group.leader:
-      return made[0]
+      return made['plan']
     if f'{checksum.crc32(raw):08x}' != word['crc32'] or len(raw) != word['bytes']:
       # Not E-CKPT-016, on which the trainer falls back to a download: this process alone
       # raises it; the others stop at their next wait, naming it.
